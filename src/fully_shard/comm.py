@@ -1,0 +1,97 @@
+"""Where collectives run: side streams and events on accelerators, async work handles on CPU.
+
+The CPU is the do-nothing case of the accelerator path: the same calls, with no streams and no
+events. On an accelerator:
+
+* ``all_gather_stream`` — copy-in and the all-gather, so the next group's gather overlaps the
+  current group's compute (prefetch). It waits for the compute stream before each copy-in, so it
+  reads shards the optimizer has finished writing.
+* ``reduce_scatter_stream`` — the reduce-scatter, so it overlaps the rest of backward.
+
+No ``record_stream``: a buffer allocated on one stream and read on another is kept alive by a
+`Pending` value until the stream that allocated it has waited for the reader, then dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Pending:
+    """A collective in flight: its work handle (CPU) or completion event (accelerator).
+
+    ``keep_alive`` holds buffers the collective reads or writes until it is waited on.
+    """
+
+    work: Optional[dist.Work] = None
+    event: Optional[torch.Event] = None
+    keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+    def wait(self) -> None:
+        """Make the caller (CPU thread, or the current stream) wait for the collective."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.event is not None:
+            torch.accelerator.current_stream().wait_event(self.event)
+            self.event = None
+
+
+class CommContext:
+    """The streams of one device, shared by every group under one root."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.uses_streams = device.type != "cpu"
+        self.all_gather_stream: Optional[torch.Stream] = None
+        self.reduce_scatter_stream: Optional[torch.Stream] = None
+        if self.uses_streams:
+            # High priority: collectives gate compute, so let them jump the queue.
+            self.all_gather_stream = torch.Stream(device=device, priority=-1)
+            self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
+        # Buffers allocated on the all-gather stream and read on the compute stream: the
+        # all-gather stream waits for these events before it may reuse their memory.
+        self._all_gather_reads: list[Pending] = []
+
+    @property
+    def async_op(self) -> bool:
+        """CPU: overlap through async work handles. Accelerator: through streams, with the
+        side stream itself waiting for the collective (so events order everything)."""
+        return not self.uses_streams
+
+    @contextlib.contextmanager
+    def on(self, stream: Optional[torch.Stream]) -> Iterator[None]:
+        """Run the body on ``stream`` after it waits for the current stream's work so far."""
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(torch.accelerator.current_stream(self.device))
+        with stream:
+            yield
+
+    def record(self, stream: Optional[torch.Stream] = None) -> Optional[torch.Event]:
+        if not self.uses_streams:
+            return None
+        stream = stream if stream is not None else torch.accelerator.current_stream(self.device)
+        return stream.record_event()
+
+    def retire_all_gather_outputs(self) -> None:
+        """Before allocating on the all-gather stream: wait until earlier outputs were copied out."""
+        if self.all_gather_stream is None:
+            self._all_gather_reads.clear()
+            return
+        for pending in self._all_gather_reads:
+            if pending.event is not None:
+                self.all_gather_stream.wait_event(pending.event)
+        self._all_gather_reads.clear()
+
+    def all_gather_output_read(self, output: torch.Tensor) -> None:
+        """The compute stream has queued its last read of ``output`` (the copy-out)."""
+        if self.uses_streams:
+            self._all_gather_reads.append(Pending(event=self.record(), keep_alive=(output,)))

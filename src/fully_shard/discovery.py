@@ -1,0 +1,130 @@
+"""Which parameters one ``fully_shard`` call manages, and the checks on them.
+
+Everything here only reads the model, so a call that fails a check leaves it untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .mesh import MeshInfo
+from .param import ParamPlace
+
+
+def is_sharded_module(module: nn.Module) -> bool:
+    return "_fsdp_state" in module.__dict__
+
+
+def _walk(module: nn.Module, fqn: str, seen: set[int], inner: list[tuple[nn.Module, str]]) -> Iterator[tuple[nn.Module, str]]:
+    """Modules this call manages: pre-order, stopping at modules an earlier call already sharded."""
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield module, fqn
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        child_fqn = f"{fqn}.{name}" if fqn else name
+        if is_sharded_module(child):
+            inner.append((child, child_fqn))
+            continue
+        yield from _walk(child, child_fqn, seen, inner)
+
+
+def _inner_owners(inner: list[tuple[nn.Module, str]]) -> dict[int, tuple[str, str]]:
+    """id(sharded parameter) -> (owning module's FQN, the parameter's FQN there), for inner calls."""
+    owners: dict[int, tuple[str, str]] = {}
+    for module, module_fqn in inner:
+        group = module.__dict__["_fsdp_state"].group
+        for p in group.params if group is not None else ():
+            owners[id(p.sharded_param)] = (module_fqn, f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn)
+    return owners
+
+
+def find_params(
+    modules: list[nn.Module], module_names: list[str], ignored: set[int]
+) -> list[tuple[nn.Parameter, list[ParamPlace]]]:
+    """The parameters this call manages, each with every place it is registered (ties are one entry)."""
+    found: dict[int, tuple[nn.Parameter, list[ParamPlace]]] = {}
+    seen: set[int] = set()
+    inner: list[tuple[nn.Module, str]] = []
+    walked = [(m, fqn) for top, name in zip(modules, module_names) for m, fqn in _walk(top, name, seen, inner)]
+    owners = _inner_owners(inner)
+    for module, module_fqn in walked:
+        for name, param in module._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            fqn = f"{module_fqn}.{name}" if module_fqn else name
+            if isinstance(param, DTensor):
+                _refuse_dtensor(fqn, module_fqn, owners.get(id(param)))
+            entry = found.setdefault(id(param), (param, []))
+            entry[1].append(ParamPlace(module, name, fqn))
+    return list(found.values())
+
+
+def _refuse_dtensor(fqn: str, module_fqn: str, owner: tuple[str, str] | None) -> None:
+    if owner is not None:
+        owner_module, owner_fqn = owner
+        raise ValueError(
+            f"parameter '{fqn}' (in module '{module_fqn or '<this module>'}') is the same tensor as "
+            f"'{owner_fqn}', which fully_shard already manages in module '{owner_module}'. A parameter tied "
+            "across two fully_shard calls would be used while sharded. Fix: put both modules in one call, "
+            f"e.g. fully_shard([{owner_module}, {module_fqn or 'module'}]), or leave both to the enclosing call."
+        )
+    raise ValueError(
+        f"parameter '{fqn}' is already a DTensor: another fully_shard call manages it (a parameter tied to "
+        "one sharded earlier, or fully_shard applied to a parent before its children), or it was distributed "
+        "by tensor parallelism, which this version does not compose with. Fix: apply fully_shard bottom-up "
+        "(inner blocks first, the root last) and keep tied parameters inside one call."
+    )
+
+
+def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshInfo) -> None:
+    """Refuse parameters this version cannot shard correctly, naming each and the fix."""
+    for param, places in found:
+        fqn = places[0].fqn
+        if param.dim() == 0:
+            raise ValueError(
+                f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with "
+                "shape (1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it "
+                "in sync yourself."
+            )
+        if param.device.type == "meta":
+            raise ValueError(
+                f"parameter '{fqn}' is on the meta device; this version shards materialised parameters only. "
+                "Fix: build the model on CPU (or the mesh's device) before calling fully_shard."
+            )
+        if not _device_usable(param.device, info.device):
+            raise ValueError(
+                f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. "
+                f"Fix: move the module to {info.device} (or to CPU) before fully_shard, or pass a mesh "
+                f"on {param.device.type}."
+            )
+        if not param.is_floating_point() and param.requires_grad:
+            raise ValueError(f"parameter '{fqn}' has dtype {param.dtype} and requires grad; that cannot be trained.")
+    dtypes = {param.dtype: places[0].fqn for param, places in found}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
+        raise ValueError(
+            f"fully_shard got parameters of different dtypes in one call ({listing}); this version "
+            "all-gathers one dtype per group. Fix: call fully_shard separately on the modules of each dtype, "
+            "or cast the module to one dtype first."
+        )
+
+
+def _device_usable(device: torch.device, mesh_device: torch.device) -> bool:
+    if mesh_device.type == "cpu":
+        return device.type == "cpu"
+    return device.type == "cpu" or device == mesh_device
+
+
+def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    for top in modules:
+        for module in top.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)

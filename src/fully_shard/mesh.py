@@ -1,0 +1,68 @@
+"""Which ranks a group shards over and on which device it computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The shard dimension of a mesh: its process group, size and this rank's index in it."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    device: torch.device
+
+
+def default_device_type() -> str:
+    """The current accelerator's type if there is one, else ``cpu``.
+
+    Uses ``torch.accelerator`` so that no particular backend (CUDA, XPU, ...) is hard-coded and
+    nothing is initialised just by asking.
+    """
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def default_mesh() -> DeviceMesh:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs a process group to shard over, and none is initialised and no mesh "
+            "was given. Call torch.distributed.init_process_group(...) first (torchrun sets the "
+            "environment for it), or pass mesh=init_device_mesh(device_type, (world_size,))."
+        )
+    return init_device_mesh(default_device_type(), (dist.get_world_size(),))
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh``: CPU, or the current device of its accelerator."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
+    mesh = default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"fully_shard got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; this version shards over "
+            "a 1-D mesh. Pass the data-parallel dimension, e.g. mesh['dp']."
+        )
+    group = mesh.get_group(0)
+    return MeshInfo(
+        mesh=mesh,
+        group=group,
+        world_size=mesh.size(0),
+        rank=mesh.get_local_rank(0),
+        device=mesh_device(mesh),
+    )

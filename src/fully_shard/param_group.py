@@ -1,0 +1,191 @@
+"""`FSDPParamGroup`: the parameters of one ``fully_shard`` call, which communicate together.
+
+One all-gather per unshard (all shards copied into one flat buffer), one reduce-scatter per
+backward (all gradients copied into one flat buffer). Work in flight is a `Pending` value held
+by the group; clearing it means it is done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+from . import collectives
+from .comm import CommContext, Pending
+from .mesh import MeshInfo
+from .param import FSDPParam, ShardedState
+
+
+class TrainingPhase(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+# FORWARD from PRE_BACKWARD: activation checkpointing recomputes forward inside backward.
+# POST_BACKWARD from IDLE/FORWARD: the end-of-backward callback finishes groups whose
+# pre-backward hook never fired (their outputs did not reach the loss through a hooked tensor).
+_PHASE_ALLOWED: dict[TrainingPhase, set[TrainingPhase]] = {
+    TrainingPhase.IDLE: {TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
+    TrainingPhase.FORWARD: {TrainingPhase.IDLE, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
+    TrainingPhase.PRE_BACKWARD: {TrainingPhase.FORWARD, TrainingPhase.POST_BACKWARD, TrainingPhase.IDLE},
+    TrainingPhase.POST_BACKWARD: {TrainingPhase.IDLE},
+}
+
+
+@dataclass
+class ReduceScatterResult:
+    """A gradient reduce-scatter in flight and where its output goes once it lands."""
+
+    pending: Pending
+    output: torch.Tensor
+    params: list[FSDPParam]
+    accumulated: bool
+
+
+class FSDPParamGroup:
+    def __init__(self, params: list[FSDPParam], info: MeshInfo, fqn: str) -> None:
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.info = info
+        self.fqn = fqn
+        self.dtype = params[0].dtype
+        self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
+        self.phase = TrainingPhase.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self._all_gather: Optional[Pending] = None
+
+    def __repr__(self) -> str:
+        return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
+
+    def set_phase(self, phase: TrainingPhase) -> None:
+        if phase is self.phase:
+            return
+        if phase not in _PHASE_ALLOWED[self.phase]:
+            raise RuntimeError(
+                f"fully_shard group {self.fqn or '<root>'}: illegal phase change {self.phase.name} -> {phase.name}"
+            )
+        self.phase = phase
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    @property
+    def all_gather_in_flight(self) -> bool:
+        return self._all_gather is not None
+
+    def _comm(self) -> CommContext:
+        if self.comm is None:
+            raise RuntimeError(
+                f"fully_shard group {self.fqn or '<root>'} is used before lazy init: run the root module's "
+                "forward first (or call unshard() on the root)."
+            )
+        return self.comm
+
+    # -- all-gather ------------------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable."""
+        if self.is_unsharded or self._all_gather is not None:
+            return
+        comm = self._comm()
+        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream):
+            comm.retire_all_gather_outputs()
+            ag_input, output = collectives.all_gather_copy_in(
+                [p.all_gather_input() for p in self.params],
+                self.info.world_size,
+                self.info.rank,
+                self.dtype,
+                self.info.device,
+            )
+            work = collectives.all_gather(output, ag_input, self.info.group, comm.async_op)
+            event = comm.record(comm.all_gather_stream)
+        self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gather, copy out into the unsharded parameters and swap them in."""
+        pending = self._all_gather
+        if pending is None:
+            return
+        self._all_gather = None
+        with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad():
+            pending.wait()
+            output = pending.keep_alive[0]
+            outs = [p.alloc_all_gather_output() for p in self.params]
+            collectives.all_gather_copy_out(output, self.info.world_size, outs)
+            self._comm().all_gather_output_read(output)
+        for p in self.params:
+            p.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    # -- reshard ---------------------------------------------------------------------------------
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and point the modules at the shards (idempotent)."""
+        if self._all_gather is not None:  # prefetched, never used: let it land before dropping its buffer
+            self._all_gather.wait()
+            self._all_gather = None
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    # -- reduce-scatter --------------------------------------------------------------------------
+
+    def post_backward(self) -> Optional[ReduceScatterResult]:
+        """Reshard, then issue one reduce-scatter of every unsharded gradient this backward made."""
+        self.set_phase(TrainingPhase.POST_BACKWARD)
+        with record_function(f"FSDP::post_backward {self.fqn}"):
+            params, grads = [], []
+            for p in self.trainable:
+                grad = p.take_unsharded_grad()
+                if grad is not None:
+                    params.append(p)
+                    grads.append(grad)
+            self.reshard()
+            result = self._reduce_scatter(params, grads) if grads else None
+        self.set_phase(TrainingPhase.IDLE)
+        return result
+
+    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> ReduceScatterResult:
+        comm = self._comm()
+        slot = sum(p.shard_numel for p in params)
+        with torch.no_grad():
+            # Copy-in on the compute stream, where the gradients were made: they can be freed
+            # right after with no cross-stream hazard.
+            rs_input = collectives.reduce_scatter_copy_in(
+                grads, self.info.world_size, slot, self.dtype, self.info.device
+            )
+            grads.clear()
+            with comm.on(comm.reduce_scatter_stream):
+                output = torch.empty(slot, dtype=self.dtype, device=self.info.device)
+                work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
+                result = ReduceScatterResult(Pending(work=work, keep_alive=(rs_input,)), output, params, False)
+                if comm.uses_streams:
+                    # Stream-ordered: accumulate on the reduce-scatter stream, no host wait.
+                    self._accumulate(result)
+                    result.pending.event = comm.record(comm.reduce_scatter_stream)
+        return result
+
+    def finish_reduce(self, result: ReduceScatterResult) -> None:
+        """Wait for a reduce-scatter and add its output to the sharded gradients."""
+        with record_function(f"FSDP::reduce_scatter_wait {self.fqn}"), torch.no_grad():
+            result.pending.wait()
+            result.pending.keep_alive = ()
+            if not result.accumulated:
+                self._accumulate(result)
+
+    def _accumulate(self, result: ReduceScatterResult) -> None:
+        result.output.div_(self.info.world_size)
+        offset = 0
+        for p in result.params:
+            p.accumulate_sharded_grad(result.output.narrow(0, offset, p.shard_numel))
+            offset += p.shard_numel
+        result.accumulated = True

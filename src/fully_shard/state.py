@@ -1,0 +1,270 @@
+"""`FSDPState`: the module hooks that drive a group through forward and backward.
+
+One `FSDPState` per ``fully_shard`` call. The root's first forward creates a `RootContext` that
+every state under it shares: the streams, the post-forward order (for backward prefetch), the
+reduce-scatter in flight and the end-of-backward callback.
+
+Hook map (each hook is a thin adapter to a named method):
+
+* forward pre-hook  -> `FSDPState.pre_forward`: lazy init, unshard, attach the post-backward signal
+* forward hook      -> `FSDPState.post_forward`: reshard, remember order, hook outputs for backward
+* output grad hook  -> `FSDPState.pre_backward`: unshard again, prefetch the next group in backward
+* input grad signal -> `FSDPState.post_backward`: reshard, reduce-scatter gradients
+* engine callback   -> `RootContext.on_backward_end`: finish groups the signals missed, wait, reset
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.profiler import record_function
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from .comm import CommContext
+from .mesh import MeshInfo
+from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
+
+
+class RootContext:
+    """Per-root runtime state shared by every `FSDPState` under one root module."""
+
+    def __init__(self, states: list["FSDPState"], comm: CommContext) -> None:
+        self.states = states
+        self.comm = comm
+        self.post_forward_order: list[FSDPState] = []
+        self.final_callback_queued = False
+        self.pending_reduce: Optional[tuple[FSDPParamGroup, ReduceScatterResult]] = None
+
+    def queue_final_callback(self) -> None:
+        if self.final_callback_queued:
+            return
+        self.final_callback_queued = True
+        Variable._execution_engine.queue_callback(self.on_backward_end)
+
+    def start_reduce(self, group: FSDPParamGroup, result: Optional[ReduceScatterResult]) -> None:
+        # One reduce-scatter in flight at a time: it overlaps the next group's backward, and the
+        # memory of at most one gradient buffer is held for it.
+        self.finish_pending_reduce()
+        if result is not None:
+            self.pending_reduce = (group, result)
+
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is None:
+            return
+        group, result = self.pending_reduce
+        self.pending_reduce = None
+        group.finish_reduce(result)
+
+    def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
+        """The state whose forward ran just before ``state``'s: it runs next in backward.
+
+        Consumes ``state``'s latest entry in the post-forward order, so a module that ran forward
+        twice prefetches correctly for each of its backward passes.
+        """
+        order = self.post_forward_order
+        for i in range(len(order) - 1, -1, -1):
+            if order[i] is state:
+                del order[i]
+                return order[i - 1] if i > 0 else None
+        return None
+
+    def on_backward_end(self) -> None:
+        with record_function("FSDP::backward_end"):
+            for state in self.states:
+                state.finish_backward()
+            self.finish_pending_reduce()
+            self.post_forward_order.clear()
+            self.final_callback_queued = False
+
+
+class _PostBackwardSignal(torch.autograd.Function):
+    """Forward: passes the module's tensor inputs through unchanged.
+
+    Backward: runs once the gradients of those inputs exist, which is after autograd has produced
+    every gradient of the module's parameters for this forward; then calls
+    ``state.post_backward_signal()``. The gradients pass through untouched.
+    """
+
+    @staticmethod
+    def forward(fn_ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        fn_ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(fn_ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        fn_ctx.state.post_backward_signal()
+        return (None, *grads)
+
+
+class FSDPState:
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        group: Optional[FSDPParamGroup],
+        info: MeshInfo,
+        reshard_after_forward: Optional[bool],
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.info = info
+        self.reshard_after_forward_setting = reshard_after_forward
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.ctx: Optional[RootContext] = None
+        self.is_root = False
+        self.fqn = ""
+        # Post-backward signals attached in forward that have not fired yet: the group reduces
+        # when this returns to zero, i.e. after the backward of its *first* forward use.
+        self._signals_pending = 0
+        # List form: members that finished forward since the group last unsharded.
+        self._members_done: set[int] = set()
+
+    # -- lazy init -------------------------------------------------------------------------------
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every state in its modules' subtrees (first forward)."""
+        if self.ctx is not None and self.is_root:
+            return
+        names: dict[nn.Module, str] = {}
+        states: list[FSDPState] = []
+        for top in self.modules:
+            for name, module in top.named_modules():
+                names.setdefault(module, name)
+                state = module.__dict__.get("_fsdp_state")
+                if isinstance(state, FSDPState) and state not in states:
+                    states.append(state)
+        device_types = {s.info.device.type for s in states}
+        if len(device_types) > 1:
+            raise RuntimeError(
+                f"fully_shard modules under one root use meshes on different devices {sorted(device_types)}; "
+                "give every fully_shard call a mesh on the same device type."
+            )
+        ctx = RootContext(states, CommContext(self.info.device))
+        for state in states:
+            state._join(ctx, is_root=state is self, fqn=names.get(state.modules[0], ""))
+
+    def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
+        self.ctx = ctx
+        self.is_root = is_root
+        self.fqn = fqn
+        setting = self.reshard_after_forward_setting
+        # The root's parameters are needed first in backward, so keeping them is free prefetch.
+        self.reshard_after_forward = (not is_root) if setting is None else setting
+        if self.group is not None:
+            self.group.comm = ctx.comm
+            self.group.fqn = fqn
+            for p in self.group.params:
+                p.check_shard_is_ours()
+
+    def _ctx(self) -> RootContext:
+        if self.ctx is None:
+            self.lazy_init()
+        assert self.ctx is not None
+        return self.ctx
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.ctx is None:
+            self.lazy_init()
+        if self.is_root:
+            args, kwargs = self._move_inputs(args, kwargs)
+        group = self.group
+        if group is None:
+            return args, kwargs
+        with record_function(f"FSDP::pre_forward {self.fqn}"):
+            group.set_phase(TrainingPhase.FORWARD)
+            group.unshard()
+            group.wait_for_unshard()
+            if torch.is_grad_enabled() and group.trainable:
+                args, kwargs = self._attach_post_backward_signal(args, kwargs)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        group = self.group
+        if group is None:
+            return output
+        grad_enabled = torch.is_grad_enabled()
+        with record_function(f"FSDP::post_forward {self.fqn}"):
+            if grad_enabled:
+                output = self._hook_outputs_for_backward(output)
+            if not self._all_members_done(module):
+                return output
+            # Without grad no backward will come for these parameters: keep nothing unsharded.
+            if self.reshard_after_forward or not grad_enabled:
+                group.reshard()
+            group.set_phase(TrainingPhase.IDLE)
+            if grad_enabled:
+                self._ctx().post_forward_order.append(self)
+        return output
+
+    def _all_members_done(self, module: nn.Module) -> bool:
+        if len(self.modules) == 1:
+            return True
+        self._members_done.add(next(i for i, m in enumerate(self.modules) if m is module))
+        if len(self._members_done) < len(self.modules):
+            return False
+        self._members_done.clear()
+        return True
+
+    def _move_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        device = self.info.device
+        if device.type == "cpu":
+            return args, kwargs
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t if t.device == device else t.to(device, non_blocking=True)
+
+        return tree_map_only(torch.Tensor, move, (args, kwargs))
+
+    def _attach_post_backward_signal(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not positions:
+            return args, kwargs  # no signal possible: the end-of-backward callback reduces this group
+        outs = _PostBackwardSignal.apply(self, *(flat[i] for i in positions))
+        for i, out in zip(positions, outs):
+            flat[i] = out
+        self._signals_pending += 1
+        return tree_unflatten(flat, spec)
+
+    def _hook_outputs_for_backward(self, output: Any) -> Any:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+        return output
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def pre_backward(self, *unused: Any) -> None:
+        ctx = self._ctx()
+        ctx.queue_final_callback()
+        group = self.group
+        if group is None:
+            return
+        with record_function(f"FSDP::pre_backward {self.fqn}"):
+            group.set_phase(TrainingPhase.PRE_BACKWARD)
+            group.unshard()
+            target = ctx.backward_prefetch_target(self)
+            if target is not None and target.group is not None:
+                with record_function(f"FSDP::backward_prefetch {target.fqn}"):
+                    target.group.unshard()
+            group.wait_for_unshard()
+
+    def post_backward_signal(self) -> None:
+        self._signals_pending = max(0, self._signals_pending - 1)
+        if self._signals_pending == 0:
+            self._post_backward()
+
+    def _post_backward(self) -> None:
+        assert self.group is not None
+        self._ctx().start_reduce(self.group, self.group.post_backward())
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce whatever gradients the post-backward signals missed."""
+        self._signals_pending = 0
+        self._members_done.clear()
+        if self.group is not None:
+            self._post_backward()
