@@ -14,6 +14,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def all_gather_copy_in(
     inputs: Sequence[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, device: torch.device
@@ -33,7 +37,7 @@ def all_gather_copy_in(
 def all_gather(
     output: torch.Tensor, ag_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> Optional[dist.Work]:
-    return dist.all_gather_into_tensor(output, ag_input, group=group, async_op=async_op)
+    return _all_gather_flat(output, ag_input, group=group, async_op=async_op)
 
 
 def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
@@ -62,4 +66,4 @@ def reduce_scatter(
 ) -> Optional[dist.Work]:
     # SUM, then divide by the world size ourselves: gloo has no AVG for every dtype, and the
     # division point is where low-precision reductions will need control.
-    return dist.reduce_scatter_tensor(output, rs_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter_flat(output, rs_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -1,0 +1,32 @@
+"""Shared fixtures: the session-scoped rank pools and the import path for examples/."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Iterator
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+for path in (HERE, EXAMPLES):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from rank_pool import RankPool  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[[int], RankPool]]:
+    """``ranks(n)`` is a pool of ``n`` gloo ranks, started on first use and kept for the session."""
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in pools:
+            pools[world_size] = RankPool(world_size)
+        return pools[world_size]
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,134 @@
+"""A persistent pool of gloo rank processes that run test functions.
+
+Spawning ranks per test costs seconds; this pool starts ``world_size`` processes once (forked
+from a forkserver that has torch and fully_shard imported), each with a gloo process group, and
+then runs a test body on every rank in well under a second. A test body is a module-level
+function ``fn(*args)``; its return values come back as a list indexed by rank.
+
+On any failure the pool returns every rank's traceback, tagged ``[rank N]``, and rebuilds itself
+if a rank is stuck, so one broken test cannot hang or poison the rest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable
+
+CALL_TIMEOUT_S = float(os.environ.get("FULLY_SHARD_TEST_TIMEOUT", "300"))
+PG_TIMEOUT_S = 120
+GRACE_AFTER_ERROR_S = 10.0
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if test_dir not in sys.path:
+        sys.path.insert(0, test_dir)
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=PG_TIMEOUT_S)
+    )
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        module_name, fn_name, args = message
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            conn.send(("ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            conn.send(("err", f"[rank {rank}] " + traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "torch.distributed", "fully_shard"])
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._start()
+
+    def _start(self) -> None:
+        store_dir = tempfile.mkdtemp(prefix=f"fully_shard_pool{self.world_size}_")
+        store_path = os.path.join(store_dir, "store")
+        test_dir = os.path.dirname(os.path.abspath(__file__))
+        for rank in range(self.world_size):
+            parent, child = self._ctx.Pipe()
+            proc = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, store_path, child, test_dir),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        self._procs, self._conns = [], []
+
+    def _restart(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+            proc.join()
+        self._procs, self._conns = [], []
+        self._start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CALL_TIMEOUT_S) -> list[Any]:
+        """Run ``fn(*args)`` on every rank; return the per-rank results or raise with every traceback."""
+        message = (fn.__module__, fn.__name__, args)
+        for conn in self._conns:
+            conn.send(message)
+        results: dict[int, tuple[str, Any]] = {}
+        deadline = timeout
+        import time
+
+        start = time.monotonic()
+        while len(results) < self.world_size:
+            remaining = deadline - (time.monotonic() - start)
+            if any(status == "err" for status, _ in results.values()):
+                remaining = min(remaining, GRACE_AFTER_ERROR_S)
+            if remaining <= 0:
+                break
+            pending = {i: c for i, c in enumerate(self._conns) if i not in results}
+            ready = wait(list(pending.values()), timeout=remaining)
+            if not ready:
+                break
+            for i, conn in pending.items():
+                if conn in ready:
+                    try:
+                        results[i] = conn.recv()
+                    except EOFError:
+                        results[i] = ("err", f"[rank {i}] process died (exit code {self._procs[i].exitcode})")
+        errors = [payload for _, (status, payload) in sorted(results.items()) if status == "err"]
+        missing = [i for i in range(self.world_size) if i not in results]
+        if missing:
+            errors += [f"[rank {i}] no answer (stuck in a collective, or past the {timeout:.0f}s limit)" for i in missing]
+            self._restart()
+        if errors:
+            raise RankFailure(f"{fn.__name__} failed on world size {self.world_size}:\n" + "\n".join(errors))
+        return [results[i][1] for i in range(self.world_size)]
