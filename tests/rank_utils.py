@@ -33,3 +33,34 @@ def global_mean(x: torch.Tensor) -> float:
     t = x.detach().clone().reshape(1).float()
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
+
+
+class CollectiveLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every c10d collective dispatched while active: ``(op name, input elements)``.
+
+    Independent of fully_shard's own code: it watches the dispatcher, so it also sees collectives
+    issued from autograd hooks during backward.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name.startswith("c10d::"):
+            op = name.split("::")[1]
+            if "allgather" in op or "all_gather" in op:
+                self.calls.append(("all_gather", args[1].numel()))
+            elif "reduce_scatter" in op:
+                self.calls.append(("reduce_scatter", args[1].numel()))
+            else:
+                self.calls.append((op, -1))
+        return func(*args, **kwargs)
+
+    def count(self, op: str) -> int:
+        return sum(1 for name, _ in self.calls if name == op)
+
+    def numel(self, op: str) -> int:
+        return sum(n for name, n in self.calls if name == op)

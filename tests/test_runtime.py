@@ -1,0 +1,307 @@
+"""Tier 3 runtime behaviour on real gloo ranks: collective schedule, memory, and the training
+patterns the core must get right (tied, frozen, ignored, repeated forward, standalone blocks,
+gradient accumulation, state dict)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
+from rank_utils import CollectiveLog, cpu_mesh, full, global_mean, max_param_diff, world
+from test_parity import TOL, _mlp_loss, _train_pair, make_mlp, mlp_batch
+
+
+def _all_states(model: nn.Module):
+    return [m.__dict__["_fsdp_state"] for m in model.modules() if "_fsdp_state" in m.__dict__]
+
+
+def _unsharded_bytes_alive(model: nn.Module) -> int:
+    total = 0
+    for state in _all_states(model):
+        for p in state.group.params if state.group else ():
+            total += p.padded_unsharded.untyped_storage().nbytes()
+    return total
+
+
+# -- collective schedule -------------------------------------------------------------------------
+
+
+def _schedule(reshard: bool) -> list[dict]:
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=3))
+    for layer in model.layers:
+        fully_shard(layer, mesh=cpu_mesh(), reshard_after_forward=reshard)
+    fully_shard(model, mesh=cpu_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steps = []
+    for step in range(3):
+        x, y = synthetic_batch(step, 4, 8, model.cfg.vocab_size)
+        with CollectiveLog() as fwd:
+            loss = loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank])
+        with CollectiveLog() as bwd:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        steps.append(
+            {
+                "fwd_all_gather": fwd.count("all_gather"),
+                "fwd_reduce_scatter": fwd.count("reduce_scatter"),
+                "bwd_all_gather": bwd.count("all_gather"),
+                "bwd_reduce_scatter": bwd.count("reduce_scatter"),
+                "unsharded_bytes_after_step": _unsharded_bytes_alive(model),
+                "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+            }
+        )
+    return steps
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_collectives_per_step(ranks, world_size, reshard):
+    """3 blocks + root: one all-gather per group in forward; blocks gather again in backward only
+    when resharded (the root keeps its parameters); one reduce-scatter per group."""
+    for steps in ranks(world_size).run(_schedule, reshard):
+        for s in steps:
+            assert s["fwd_all_gather"] == 4 and s["fwd_reduce_scatter"] == 0, s
+            assert s["bwd_all_gather"] == (3 if reshard else 0), s
+            assert s["bwd_reduce_scatter"] == 4, s
+            assert s["unsharded_bytes_after_step"] == 0 and s["all_dtensor"], s
+
+
+def _frozen_traffic() -> dict:
+    """A frozen weight shares a group with trainable ones: all-gathered, never reduce-scattered."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    model[0][0].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    fully_shard(model[0], mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    group = model[0].__dict__["_fsdp_state"].group
+    trainable_numel = sum(p.shard_numel for p in group.trainable) * w
+    with CollectiveLog() as log:
+        x, y = mlp_batch(0)
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    rs_sizes = [n for op, n in log.calls if op == "reduce_scatter"]
+    frozen_grad_none = model[0][0].weight.grad is None
+    model.zero_grad()
+    result = _train_pair(model, ref, mlp_batch, _mlp_loss, 5)
+    return {**result, "rs_sizes": rs_sizes, "trainable_numel": trainable_numel, "frozen_grad_none": frozen_grad_none}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_frozen_params_get_no_gradient_traffic(ranks, world_size):
+    for r in ranks(world_size).run(_frozen_traffic):
+        assert r["frozen_grad_none"]
+        assert r["trainable_numel"] in r["rs_sizes"], r  # block 0's reduce-scatter carries only trainable grads
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage alive in this process (DTensors count their shards)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        t = obj._local_tensor if isinstance(obj, DTensor) else obj
+        if t.device.type == "meta":
+            continue
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _train_one_step(model: nn.Module, sharded: bool) -> None:
+    rank, w = world()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = synthetic_batch(0, 4, 8, model.cfg.vocab_size)
+    if sharded:
+        x, y = x.chunk(w)[rank], y.chunk(w)[rank]
+    loss_fn(model(x), y).backward()
+    opt.step()
+    # Keep the optimizer (and its state) alive until the measurement.
+    model._test_opt = opt  # type: ignore[attr-defined]
+
+
+def _memory_ratio() -> dict:
+    from fully_shard import fully_shard
+
+    cfg = LlamaConfig(vocab_size=512, dim=128, hidden_dim=344, n_layers=4)
+    base = _live_tensor_bytes()
+    torch.manual_seed(0)
+    plain = Llama(cfg)
+    _train_one_step(plain, sharded=False)
+    plain_bytes = _live_tensor_bytes() - base
+    del plain
+    base = _live_tensor_bytes()
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    _train_one_step(model, sharded=True)
+    sharded_bytes = _live_tensor_bytes() - base
+    return {"plain": plain_bytes, "sharded": sharded_bytes, "unsharded_alive": _unsharded_bytes_alive(model)}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_live_bytes_after_step_are_one_over_world(ranks, world_size):
+    for r in ranks(world_size).run(_memory_ratio):
+        ratio = r["sharded"] / r["plain"]
+        print(f"world {world_size}: live bytes sharded/unsharded = {ratio:.3f} (ideal {1 / world_size:.3f})")
+        assert r["unsharded_alive"] == 0
+        # Parameters, gradients and AdamW state are sharded; padding and the unsharded buffers
+        # (buffers are replicated, a few KB here) are the only excess.
+        assert ratio <= 1 / world_size * 1.05, r
+
+
+# -- training patterns ---------------------------------------------------------------------------
+
+
+class TwiceMLP(nn.Module):
+    """Runs ``block`` twice per forward: its gradient sums both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(7, 11)
+        self.block = nn.Sequential(nn.Linear(11, 11), nn.Tanh())
+        self.out = nn.Linear(11, 3)
+
+    def forward(self, x):
+        return self.out(self.block(self.block(self.inp(x))))
+
+
+def _twice_parity(reshard: bool) -> dict:
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = TwiceMLP()
+    ref = copy.deepcopy(model)
+    fully_shard(model.block, mesh=cpu_mesh(), reshard_after_forward=reshard)
+    fully_shard(model, mesh=cpu_mesh())
+    return _train_pair(model, ref, mlp_batch, _mlp_loss, 5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_module_run_twice_per_forward(ranks, world_size, reshard):
+    for r in ranks(world_size).run(_twice_parity, reshard):
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
+def _standalone_block() -> dict:
+    """After the root's first step, a non-root block's forward/backward on its own gives the
+    reference gradients and leaves nothing unsharded."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    x, y = mlp_batch(0)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    model.zero_grad()
+    h = torch.randn(8, 11, generator=torch.Generator().manual_seed(5))
+    model[1](h.chunk(w)[rank]).pow(2).mean().backward()
+    ref[1](h).pow(2).mean().backward()
+    diffs = [(full(p.grad) - q.grad).abs().max().item() for p, q in zip(model[1].parameters(), ref[1].parameters())]
+    return {"grad_diff": max(diffs), "unsharded": _unsharded_bytes_alive(model)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_non_root_block_alone(ranks, world_size):
+    for r in ranks(world_size).run(_standalone_block):
+        assert r["grad_diff"] <= TOL and r["unsharded"] == 0, r
+
+
+def _accumulate_two_backwards() -> dict:
+    """Two backward calls (half the batch each, loss scaled by 1/2) before one step equal one
+    step on the whole batch: reduce-scattered gradients add into the sharded ``.grad``."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = mlp_batch(step)
+        lx, ly = x.chunk(w)[rank], y.chunk(w)[rank]
+        for mx, my in zip(lx.chunk(2), ly.chunk(2)):
+            (_mlp_loss(model, mx, my) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        _mlp_loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gradient_accumulation_across_backward_calls(ranks, world_size):
+    for r in ranks(world_size).run(_accumulate_two_backwards):
+        assert r["param_diff"] <= TOL, r
+
+
+def _structure() -> dict:
+    """Tied weights stay one parameter; buffers and ignored parameters are left unsharded;
+    the state dict has DTensors under the original names and round-trips."""
+    from fully_shard import FSDPModule, fully_shard
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = Llama()
+    names_before = list(model.state_dict().keys())
+    ignored = model.norm.weight
+    for layer in model.layers:
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh(), ignored_params={ignored})
+    sd = {k: v.detach().clone() if not isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = synthetic_batch(0, 4, 8, model.cfg.vocab_size)
+    loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank]).backward()
+    opt.step()
+    changed = max((full(model.state_dict()[k]) - full(sd[k])).abs().max().item() for k in sd if isinstance(sd[k], DTensor))
+    model.load_state_dict(sd)
+    restored = max((full(model.state_dict()[k]) - full(sd[k])).abs().max().item() for k in sd)
+    return {
+        "names_same": names_before == list(model.state_dict().keys()),
+        "tied_same_object": model.output.weight is model.tok_embeddings.weight,
+        "tied_dtensor": isinstance(model.output.weight, DTensor),
+        "ignored_plain": not isinstance(model.norm.weight, DTensor) and model.norm.weight is ignored,
+        "buffers_plain": all(not isinstance(b, DTensor) for b in model.buffers()),
+        "isinstance": isinstance(model, FSDPModule) and isinstance(model, Llama) and isinstance(model.layers[0], FSDPModule),
+        "params_dtensor": all(isinstance(p, DTensor) for n, p in model.named_parameters() if p is not ignored),
+        "changed": changed,
+        "restored": restored,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_structure_and_state_dict_round_trip(ranks, world_size):
+    for r in ranks(world_size).run(_structure):
+        assert r["names_same"] and r["tied_same_object"] and r["tied_dtensor"], r
+        assert r["ignored_plain"] and r["buffers_plain"] and r["isinstance"] and r["params_dtensor"], r
+        assert r["changed"] > 0 and r["restored"] == 0, r
