@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .discovery import check_params, find_params, is_sharded_module, move_buffers
+from .discovery import check_params, claim_originals, find_params, is_sharded_module, move_buffers
 from .mesh import MeshInfo, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -94,6 +94,7 @@ def fully_shard(
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found, info)
     # Every check has passed; from here on nothing raises on user input.
+    claim_originals(found)
     params = [FSDPParam(param, places, info) for param, places in found]
     group = FSDPParamGroup(params, info, fqn="") if params else None
     move_buffers(modules, info.device)
@@ -118,8 +119,9 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
         if is_sharded_module(m):
+            original = type(m).__bases__[-1].__name__
             raise ValueError(
-                f"fully_shard was already applied to this {type(m).__name__}; a module can be sharded once. "
+                f"fully_shard was already applied to this {original}; a module can be sharded once. "
                 "Fix: remove the second call (to change options, rebuild the module)."
             )
     if len({id(m) for m in modules}) != len(modules):

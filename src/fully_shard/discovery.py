@@ -5,14 +5,29 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 
 from __future__ import annotations
 
-from typing import Iterator
+import weakref
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .mesh import MeshInfo
 from .param import ParamPlace
+
+
+# Original parameters some fully_shard call has replaced by shards -> (its module, its FQN there).
+# Why a registry: after fully_shard(embed), a module tied to embed.weight (lm_head) still holds the
+# original tensor, and nothing reachable from lm_head says it was sharded. Sharding it again would
+# silently untie the weights. Keys are weak and compared by identity, so this holds no per-rank
+# state (ranks running as threads never share a tensor) and forgets a tensor when it dies.
+_SHARDED_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claim_originals(found: list[tuple[nn.Parameter, list["ParamPlace"]]]) -> None:
+    for param, places in found:
+        _SHARDED_ORIGINALS[param] = (weakref.ref(places[0].module), places[0].name)
 
 
 def is_sharded_module(module: nn.Module) -> bool:
@@ -41,8 +56,30 @@ def _inner_owners(inner: list[tuple[nn.Module, str]]) -> dict[int, tuple[str, st
     for module, module_fqn in inner:
         group = module.__dict__["_fsdp_state"].group
         for p in group.params if group is not None else ():
-            owners[id(p.sharded_param)] = (module_fqn, f"{module_fqn}.{p.fqn}" if module_fqn else p.fqn)
+            owners[id(p.sharded_param)] = (_label(module, module_fqn), f"{module_fqn}.{p.fqn}")
     return owners
+
+
+def _original_owner(param: nn.Parameter, walked: list[tuple[nn.Module, str]], inner: list[tuple[nn.Module, str]]) -> Optional[tuple[str, str]]:
+    """If an earlier call sharded ``param`` (it is a tied original): (its module's label, the FQN there)."""
+    claim = _SHARDED_ORIGINALS.get(param)
+    if claim is None:
+        return None
+    module_ref, name = claim
+    module = module_ref()
+    for candidate, fqn in [*inner, *walked]:
+        if candidate is module:
+            return _label(module, fqn), f"{fqn}.{name}" if fqn else name
+    return _label(module, ""), name
+
+
+def _label(module: Optional[nn.Module], fqn: str, article: str = "a") -> str:
+    if fqn:
+        return f"module '{fqn}'"
+    if module is None:
+        return "another module"
+    cls = type(module).__bases__[-1] if is_sharded_module(module) else type(module)
+    return f"{article} {cls.__name__}"
 
 
 def find_params(
@@ -59,27 +96,32 @@ def find_params(
             if param is None or id(param) in ignored:
                 continue
             fqn = f"{module_fqn}.{name}" if module_fqn else name
+            where = _label(module, module_fqn, article="this")
             if isinstance(param, DTensor):
-                _refuse_dtensor(fqn, module_fqn, owners.get(id(param)))
+                _refuse_claimed(fqn, where, owners.get(id(param)))
+            tied_owner = _original_owner(param, walked, inner)
+            if tied_owner is not None:
+                _refuse_claimed(fqn, where, tied_owner)
             entry = found.setdefault(id(param), (param, []))
             entry[1].append(ParamPlace(module, name, fqn))
     return list(found.values())
 
 
-def _refuse_dtensor(fqn: str, module_fqn: str, owner: tuple[str, str] | None) -> None:
+def _refuse_claimed(fqn: str, where: str, owner: tuple[str, str] | None) -> None:
+    """Raise for a parameter another fully_shard call already manages (or a foreign DTensor)."""
     if owner is not None:
         owner_module, owner_fqn = owner
         raise ValueError(
-            f"parameter '{fqn}' (in module '{module_fqn or '<this module>'}') is the same tensor as "
-            f"'{owner_fqn}', which fully_shard already manages in module '{owner_module}'. A parameter tied "
-            "across two fully_shard calls would be used while sharded. Fix: put both modules in one call, "
-            f"e.g. fully_shard([{owner_module}, {module_fqn or 'module'}]), or leave both to the enclosing call."
+            f"parameter '{fqn}' (in {where}) is the same tensor as '{owner_fqn}', which an earlier "
+            f"fully_shard call manages in {owner_module}. A parameter tied across two fully_shard calls "
+            "would be sharded twice and silently untied. Fix: put both modules in one call, e.g. "
+            "fully_shard([embedding, output_projection]), or leave both to the enclosing (root) call."
         )
     raise ValueError(
-        f"parameter '{fqn}' is already a DTensor: another fully_shard call manages it (a parameter tied to "
-        "one sharded earlier, or fully_shard applied to a parent before its children), or it was distributed "
-        "by tensor parallelism, which this version does not compose with. Fix: apply fully_shard bottom-up "
-        "(inner blocks first, the root last) and keep tied parameters inside one call."
+        f"parameter '{fqn}' (in {where}) is already a DTensor: another fully_shard call manages it (a "
+        "parameter tied to one sharded earlier, or fully_shard applied to a parent before its children), "
+        "or it was distributed by tensor parallelism, which this version does not compose with. Fix: apply "
+        "fully_shard bottom-up (inner blocks first, the root last) and keep tied parameters inside one call."
     )
 
 
@@ -106,7 +148,9 @@ def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshI
             )
         if not param.is_floating_point() and param.requires_grad:
             raise ValueError(f"parameter '{fqn}' has dtype {param.dtype} and requires grad; that cannot be trained.")
-    dtypes = {param.dtype: places[0].fqn for param, places in found}
+    dtypes: dict[torch.dtype, str] = {}
+    for param, places in found:
+        dtypes.setdefault(param.dtype, places[0].fqn)
     if len(dtypes) > 1:
         listing = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
         raise ValueError(

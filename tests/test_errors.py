@@ -1,0 +1,100 @@
+"""Bad input gets a clear error naming the module/parameter, the rule and the fix, and leaves
+the model as it was (checked in a fake world: errors need no real communication)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from fake_world import fake_world
+from fully_shard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from llama_model import Llama, LlamaConfig
+
+
+def _untouched(model: nn.Module) -> bool:
+    return not any(isinstance(m, FSDPModule) for m in model.modules()) and not any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
+def test_fully_shard_twice():
+    with fake_world(2) as mesh:
+        model = nn.Linear(4, 4)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="already applied to this Linear.*Fix"):
+            fully_shard(model, mesh=mesh)
+
+
+def test_parent_before_child():
+    with fake_world(2) as mesh:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match=r"'weight' \(in this Linear\) is already a DTensor.*bottom-up"):
+            fully_shard(model[0], mesh=mesh)
+
+
+def test_tied_parameter_across_groups_names_both_modules():
+    with fake_world(2) as mesh:
+        model = Llama(LlamaConfig(n_layers=1))
+        fully_shard(model.tok_embeddings, mesh=mesh)
+        before = {n: p for n, p in model.named_parameters() if not n.startswith("tok_embeddings")}
+        with pytest.raises(ValueError, match=r"'output\.weight'.*'tok_embeddings\.weight'.*'tok_embeddings'.*Fix"):
+            fully_shard(model, mesh=mesh)
+        # Nothing left half-sharded: the failed call changed no parameter and no class.
+        assert not isinstance(model, FSDPModule)
+        assert all(p is before[n] and not isinstance(p, DTensor) for n, p in model.named_parameters() if n in before)
+
+
+def test_tied_parameter_across_sibling_calls_is_refused():
+    """fully_shard(embedding) then fully_shard(output projection): the projection still holds the
+    original tied tensor, which must not be sharded a second time (that would untie them)."""
+    with fake_world(2) as mesh:
+        model = Llama(LlamaConfig(n_layers=1))
+        fully_shard(model.tok_embeddings, mesh=mesh)
+        with pytest.raises(ValueError, match=r"'weight' \(in this Linear\) is the same tensor as 'weight'.*in an? Embedding.*Fix"):
+            fully_shard(model.output, mesh=mesh)
+        assert not isinstance(model.output, FSDPModule) and not isinstance(model.output.weight, DTensor)
+
+
+def test_scalar_parameter_refused_with_fix():
+    with fake_world(2) as mesh:
+        model = nn.Linear(4, 4)
+        model.scale = nn.Parameter(torch.tensor(2.0))
+        with pytest.raises(ValueError, match="'scale' is a 0-dim scalar.*reshape\\(1\\)"):
+            fully_shard(model, mesh=mesh)
+        assert _untouched(model)
+
+
+def test_meta_parameter_refused_with_fix():
+    with fake_world(2) as mesh:
+        with torch.device("meta"):
+            model = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="'weight' is on the meta device.*Fix"):
+            fully_shard(model, mesh=mesh)
+        assert _untouched(model)
+
+
+def test_mixed_dtypes_refused_with_fix():
+    with fake_world(2) as mesh:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+        with pytest.raises(ValueError, match="different dtypes.*'0.weight' is torch.float32.*Fix"):
+            fully_shard(model, mesh=mesh)
+        assert _untouched(model)
+
+
+def test_bad_options():
+    with fake_world(2) as mesh:
+        model = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="reshard_after_forward"):
+            fully_shard(model, mesh=mesh, reshard_after_forward="yes")  # type: ignore[arg-type]
+        with pytest.raises(NotImplementedError, match="mixed precision"):
+            fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        with pytest.raises(TypeError, match="DeviceMesh"):
+            fully_shard(model, mesh="cpu")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="empty list"):
+            fully_shard([], mesh=mesh)
+        assert _untouched(model)
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())  # a no-op on a CPU mesh
+        assert isinstance(model.weight, DTensor)

@@ -1,0 +1,109 @@
+"""Tier 1: no process group. Padding arithmetic, policies, lifecycle tables, buffer layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from fully_shard import collectives
+from fully_shard.discovery import _device_usable
+from fully_shard.param import local_rows, rows_per_rank
+from fully_shard.param_group import TrainingPhase, _PHASE_ALLOWED
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+def test_local_rows_match_torch_chunk(n, world_size):
+    chunks = torch.arange(n).chunk(world_size) if n else ()
+    for rank in range(world_size):
+        expected = chunks[rank].numel() if rank < len(chunks) else 0
+        assert local_rows(n, world_size, rank) == expected
+        assert local_rows(n, world_size, rank) <= rows_per_rank(n, world_size)
+    assert rows_per_rank(n, world_size) * world_size >= n
+
+
+def test_policies_validate():
+    assert MixedPrecisionPolicy().is_noop
+    with pytest.raises(ValueError, match="param_dtype"):
+        MixedPrecisionPolicy(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match="cast_forward_inputs"):
+        MixedPrecisionPolicy(cast_forward_inputs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pin_memory"):
+        CPUOffloadPolicy(pin_memory=1)  # type: ignore[arg-type]
+    assert isinstance(CPUOffloadPolicy(), OffloadPolicy)
+
+
+def test_phase_table_rejects_illegal_moves():
+    from fully_shard.param_group import FSDPParamGroup
+
+    group = FSDPParamGroup.__new__(FSDPParamGroup)
+    group.fqn = "layers.0"
+    group.phase = TrainingPhase.POST_BACKWARD
+    with pytest.raises(RuntimeError, match="POST_BACKWARD -> FORWARD"):
+        group.set_phase(TrainingPhase.FORWARD)
+    for phase, allowed in _PHASE_ALLOWED.items():
+        assert phase not in allowed  # staying put is not a transition
+
+
+def test_all_gather_layout_round_trips():
+    """Copy-in puts each rank's shards in its row; copy-out rebuilds each padded parameter."""
+    world_size = 3
+    params = [torch.randn(7, 2), torch.randn(4), torch.randn(1, 3)]
+    rows = [-(-p.shape[0] // world_size) for p in params]
+    padded = [torch.cat([p, p.new_zeros(r * world_size - p.shape[0], *p.shape[1:])]) for p, r in zip(params, rows)]
+    shards = [[pp.chunk(world_size)[r].reshape(-1) for pp in padded] for r in range(world_size)]
+    outputs = []
+    for rank in range(world_size):
+        _, out = collectives.all_gather_copy_in(shards[rank], world_size, rank, torch.float32, torch.device("cpu"))
+        outputs.append(out.view(world_size, -1)[rank].clone())
+    gathered = torch.stack(outputs).view(-1)  # what the all-gather would produce
+    outs = [torch.empty(world_size, s[0].numel()) for s in zip(*shards)]
+    collectives.all_gather_copy_out(gathered, world_size, outs)
+    for out, pp in zip(outs, padded):
+        assert torch.equal(out.view(pp.shape), pp)
+
+
+def test_reduce_scatter_layout_puts_rank_chunks_in_rows():
+    world_size = 4
+    grads = [torch.randn(10, 3), torch.randn(3)]
+    slot = sum(-(-g.shape[0] // world_size) * (g.numel() // g.shape[0]) for g in grads)
+    flat = collectives.reduce_scatter_copy_in(grads, world_size, slot, torch.float32, torch.device("cpu"))
+    rows = flat.view(world_size, slot)
+    for rank in range(world_size):
+        offset = 0
+        for g in grads:
+            r = -(-g.shape[0] // world_size)
+            chunk = rows[rank, offset : offset + r * (g.numel() // g.shape[0])].view(r, *g.shape[1:])
+            real = g[rank * r : (rank + 1) * r]
+            assert torch.equal(chunk[: real.shape[0]], real)
+            assert torch.count_nonzero(chunk[real.shape[0] :]) == 0
+            offset += chunk.numel()
+
+
+def test_device_rules():
+    cpu, cuda0, cuda1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert _device_usable(cpu, cpu)
+    assert not _device_usable(cuda0, cpu)  # a CPU mesh cannot use an accelerator tensor
+    assert _device_usable(cpu, cuda0)  # CPU parameters are moved shard by shard
+    assert _device_usable(cuda0, cuda0)
+    assert not _device_usable(cuda1, cuda0)
+
+
+def test_no_process_group_and_no_mesh_is_a_clear_error():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fully_shard(model)
+    assert type(model) is nn.Linear and not hasattr(model, "_fsdp_state")
+
+
+def test_importing_does_not_initialise_an_accelerator():
+    import subprocess
+    import sys
+
+    code = "import fully_shard, torch; import sys; sys.exit(int(torch.cuda.is_initialized()))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
