@@ -122,7 +122,13 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def synthetic_batch(step: int, batch: int, seq_len: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch for ``step``: the same on every rank, so each rank can take its slice."""
+    """The global batch for ``step``: the same on every rank, so each rank can take its slice.
+
+    Each sequence counts from a random start with a random stride (mod ``vocab``): learnable from
+    context, so the loss falls well below the ln(vocab) of uniform noise.
+    """
     gen = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 8, (batch, 1), generator=gen)
+    tokens = (start + stride * torch.arange(seq_len + 1)) % vocab
     return tokens[:, :-1], tokens[:, 1:]

@@ -14,6 +14,10 @@ from rank_utils import cpu_mesh, global_mean, max_param_diff, world
 
 TOL = 1e-5
 STEPS = 5
+# Adam divides each gradient by its running RMS, so an element whose gradient is tiny moves by
+# ~lr whatever its exact value: summation-order noise (per-rank partial sums vs one global sum)
+# in such gradients becomes parameter noise proportional to lr. 1e-3 is a typical transformer lr.
+LLAMA_LR = 1e-3
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -49,10 +53,10 @@ def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- rank bodies ---------------------------------------------------------------------------------
 
 
-def _train_pair(model, ref, batch_fn, loss_of, steps: int) -> dict:
+def _train_pair(model, ref, batch_fn, loss_of, steps: int, lr: float = 1e-2) -> dict:
     rank, w = world()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     loss_diffs = []
     for step in range(steps):
         x, y = batch_fn(step)
@@ -97,7 +101,7 @@ def _llama_loss(model, x, y):
     return loss_fn(model(x), y)
 
 
-def _llama_parity(reshard: bool) -> dict:
+def _llama_parity(reshard: bool, lr: float = LLAMA_LR) -> dict:
     """Ours vs the single-process reference, and ours vs PyTorch's fully_shard, same seed."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -110,7 +114,7 @@ def _llama_parity(reshard: bool) -> dict:
     ref = copy.deepcopy(ours)
     shard_llama(ours, reshard, fully_shard)
     shard_llama(theirs, reshard, torch_fully_shard)
-    vs_ref = _train_pair(ours, ref, llama_batch, _llama_loss, STEPS)
+    vs_ref = _train_pair(ours, ref, llama_batch, _llama_loss, STEPS, lr)
 
     torch.manual_seed(0)
     ours2 = Llama()

@@ -120,11 +120,11 @@ def _live_tensor_bytes() -> int:
         t = obj._local_tensor if isinstance(obj, DTensor) else obj
         if t.device.type == "meta":
             continue
-        try:
+        try:  # fake and functional tensors left by torch.compile have no real storage
             storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
         except (RuntimeError, NotImplementedError):
             continue
-        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
@@ -143,6 +143,9 @@ def _train_one_step(model: nn.Module, sharded: bool) -> None:
 def _memory_ratio() -> dict:
     from fully_shard import fully_shard
 
+    import torch._dynamo
+
+    torch._dynamo.reset()  # drop graphs (and the tensors they hold) left by earlier compile tests
     cfg = LlamaConfig(vocab_size=512, dim=128, hidden_dim=344, n_layers=4)
     base = _live_tensor_bytes()
     torch.manual_seed(0)
