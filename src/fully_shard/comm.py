@@ -15,6 +15,7 @@ No ``record_stream``: a buffer allocated on one stream and read on another is ke
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -35,12 +36,32 @@ class Pending:
 
     def wait(self) -> None:
         """Make the caller (CPU thread, or the current stream) wait for the collective."""
-        if self.work is not None:
-            self.work.wait()
+        work = self.work  # read once: `release_when_done` may clear it from the comm thread
+        if work is not None:
+            work.wait()
             self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
             self.event = None
+
+    def release_when_done(self) -> None:
+        """Drop ``keep_alive`` and the work (which holds its tensors too) as soon as the
+        collective completes, rather than when someone waits for it.
+
+        For a CPU reduce-scatter this frees the gradient input buffer while backward computes the
+        next block, instead of one block later. Gloo's reduce-scatter work has no future to hang a
+        callback on, so a short-lived thread waits for it (``Work.wait`` releases the GIL).
+        """
+        work = self.work
+        if work is None:
+            return
+
+        def release() -> None:
+            work.wait()
+            self.keep_alive = ()
+            self.work = None
+
+        threading.Thread(target=release, name="fully_shard-release", daemon=True).start()
 
 
 class CommContext:

@@ -172,6 +172,8 @@ class FSDPParamGroup:
                     # Stream-ordered: accumulate on the reduce-scatter stream, no host wait.
                     self._accumulate(result)
                     result.pending.event = comm.record(comm.reduce_scatter_stream)
+                else:
+                    result.pending.release_when_done()
         return result
 
     def finish_reduce(self, result: ReduceScatterResult) -> None:

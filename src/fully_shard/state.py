@@ -246,12 +246,14 @@ class FSDPState:
             return
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             group.set_phase(TrainingPhase.PRE_BACKWARD)
-            group.unshard()
+            group.unshard()  # a no-op when the previous group's backward prefetched it
+            group.wait_for_unshard()
+            # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
+            # and the prefetch still overlaps all of this group's backward compute.
             target = ctx.backward_prefetch_target(self)
             if target is not None and target.group is not None:
                 with record_function(f"FSDP::backward_prefetch {target.fqn}"):
                     target.group.unshard()
-            group.wait_for_unshard()
 
     def post_backward_signal(self) -> None:
         self._signals_pending = max(0, self._signals_pending - 1)
