@@ -33,13 +33,17 @@ class Pending:
     work: Optional[dist.Work] = None
     event: Optional[torch.Event] = None
     keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    # Exactly one thread may wait on a work: gloo's composite collectives finish writing their
+    # output inside wait(), so a second, concurrent wait() can return before the data is there.
+    _wait_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def wait(self) -> None:
         """Make the caller (CPU thread, or the current stream) wait for the collective."""
-        work = self.work  # read once: `release_when_done` may clear it from the comm thread
-        if work is not None:
-            work.wait()
-            self.work = None
+        if self.work is not None:
+            with self._wait_lock:
+                if self.work is not None:
+                    self.work.wait()
+                    self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
             self.event = None
@@ -52,14 +56,15 @@ class Pending:
         next block, instead of one block later. Gloo's reduce-scatter work has no future to hang a
         callback on, so a short-lived thread waits for it (``Work.wait`` releases the GIL).
         """
-        work = self.work
-        if work is None:
+        if self.work is None:
             return
 
         def release() -> None:
-            work.wait()
-            self.keep_alive = ()
-            self.work = None
+            with self._wait_lock:
+                if self.work is not None:
+                    self.work.wait()
+                    self.work = None
+                self.keep_alive = ()
 
         threading.Thread(target=release, name="fully_shard-release", daemon=True).start()
 
