@@ -8,8 +8,15 @@ events. On an accelerator:
   reads shards the optimizer has finished writing.
 * ``reduce_scatter_stream`` — the reduce-scatter, so it overlaps the rest of backward.
 
-No ``record_stream``: a buffer allocated on one stream and read on another is kept alive by a
-`Pending` value until the stream that allocated it has waited for the reader, then dropped.
+No ``record_stream``. A buffer allocated on one stream and used on another is safe to drop once
+the stream that allocated it has waited for the user:
+
+* the all-gather output (allocated on the all-gather stream, read by the copy-out on the compute
+  stream) is dropped right after the copy-out is queued: the all-gather stream allocates again
+  only inside `CommContext.on`, which first makes it wait for every compute-stream op queued so
+  far, the copy-out included;
+* the reduce-scatter input (allocated on the compute stream, read on the reduce-scatter stream)
+  is held by its `Pending` until the compute stream waits for the reduce-scatter's event.
 """
 
 from __future__ import annotations
@@ -81,9 +88,6 @@ class CommContext:
             # High priority: collectives gate compute, so let them jump the queue.
             self.all_gather_stream = torch.Stream(device=device, priority=-1)
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
-        # Buffers allocated on the all-gather stream and read on the compute stream: the
-        # all-gather stream waits for these events before it may reuse their memory.
-        self._all_gather_reads: list[Pending] = []
 
     @property
     def async_op(self) -> bool:
@@ -106,18 +110,3 @@ class CommContext:
             return None
         stream = stream if stream is not None else torch.accelerator.current_stream(self.device)
         return stream.record_event()
-
-    def retire_all_gather_outputs(self) -> None:
-        """Before allocating on the all-gather stream: wait until earlier outputs were copied out."""
-        if self.all_gather_stream is None:
-            self._all_gather_reads.clear()
-            return
-        for pending in self._all_gather_reads:
-            if pending.event is not None:
-                self.all_gather_stream.wait_event(pending.event)
-        self._all_gather_reads.clear()
-
-    def all_gather_output_read(self, output: torch.Tensor) -> None:
-        """The compute stream has queued its last read of ``output`` (the copy-out)."""
-        if self.uses_streams:
-            self._all_gather_reads.append(Pending(event=self.record(), keep_alive=(output,)))

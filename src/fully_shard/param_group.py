@@ -96,7 +96,6 @@ class FSDPParamGroup:
             return
         comm = self._comm()
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream):
-            comm.retire_all_gather_outputs()
             ag_input, output = collectives.all_gather_copy_in(
                 [p.all_gather_input() for p in self.params],
                 self.info.world_size,
@@ -119,7 +118,6 @@ class FSDPParamGroup:
             output = pending.keep_alive[0]
             outs = [p.alloc_all_gather_output() for p in self.params]
             collectives.all_gather_copy_out(output, self.info.world_size, outs)
-            self._comm().all_gather_output_read(output)
         for p in self.params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
