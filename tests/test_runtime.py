@@ -308,3 +308,63 @@ def test_structure_and_state_dict_round_trip(ranks, world_size):
         assert r["names_same"] and r["tied_same_object"] and r["tied_dtensor"], r
         assert r["ignored_plain"] and r["buffers_plain"] and r["isinstance"] and r["params_dtensor"], r
         assert r["changed"] > 0 and r["restored"] == 0, r
+
+
+def _forward_without_backward_then_step() -> dict:
+    """A grad-enabled forward that never runs backward (e.g. a logged validation loss) leaves the
+    root unsharded; an optimizer step then changes the shards. The next forward must use the new
+    values, not the stale unsharded copy."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    diffs = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        _mlp_loss(ref, x, y).backward()
+        val = _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])  # no backward for this one
+        ref_val = _mlp_loss(ref, x, y)
+        diffs.append(abs(global_mean(val) - ref_val.item()))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    x, y = mlp_batch(9)
+    diffs.append(abs(global_mean(_mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])) - _mlp_loss(ref, x, y).item()))
+    return {"loss_diff": max(diffs), "param_diff": max_param_diff(model, ref)}
+
+
+def _eval_under_no_grad() -> dict:
+    """Evaluation under no_grad matches the reference and keeps nothing unsharded, root included."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    x, _ = mlp_batch(0)
+    with torch.no_grad():
+        out = model(x.chunk(w)[rank])
+        expected = ref(x).chunk(w)[rank]
+    return {"diff": (out - expected).abs().max().item(), "unsharded": _unsharded_bytes_alive(model)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_forward_without_backward_never_uses_stale_parameters(ranks, world_size):
+    for r in ranks(world_size).run(_forward_without_backward_then_step):
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_eval_under_no_grad(ranks, world_size):
+    for r in ranks(world_size).run(_eval_under_no_grad):
+        assert r["diff"] <= TOL and r["unsharded"] == 0, r

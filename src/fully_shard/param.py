@@ -135,6 +135,16 @@ class FSDPParam:
     def all_gather_input(self) -> torch.Tensor:
         return self.padded_shard.view(-1)
 
+    @property
+    def shard_version(self) -> int:
+        """Grows whenever the shard is written in place.
+
+        DTensor runs an in-place op on its local tensor below autograd, so the local tensor's own
+        counter misses optimizer steps and ``load_state_dict``; the outer DTensor's counter sees
+        those. The local tensor's counter sees direct writes through ``to_local()``.
+        """
+        return self.sharded_param._version + self.local_shard._version
+
     def alloc_all_gather_output(self) -> torch.Tensor:
         """Give ``padded_unsharded`` its memory back; return it viewed as ``(W, shard_numel)``."""
         numel = self.info.world_size * self.shard_numel

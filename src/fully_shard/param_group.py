@@ -59,6 +59,8 @@ class FSDPParamGroup:
         self.phase = TrainingPhase.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: Optional[Pending] = None
+        # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
+        self._gathered_versions: tuple[int, ...] = ()
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
@@ -95,6 +97,7 @@ class FSDPParamGroup:
         if self.is_unsharded or self._all_gather is not None:
             return
         comm = self._comm()
+        self._gathered_versions = self._shard_versions()
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream):
             ag_input, output = collectives.all_gather_copy_in(
                 [p.all_gather_input() for p in self.params],
@@ -121,6 +124,14 @@ class FSDPParamGroup:
         for p in self.params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _shard_versions(self) -> tuple[int, ...]:
+        return tuple(p.shard_version for p in self.params)
+
+    def is_stale(self) -> bool:
+        """Whether a shard changed since this group was gathered (e.g. an optimizer step after a
+        forward whose backward never ran): the unsharded parameters must not be used then."""
+        return (self.is_unsharded or self._all_gather is not None) and self._gathered_versions != self._shard_versions()
 
     # -- reshard ---------------------------------------------------------------------------------
 

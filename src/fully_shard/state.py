@@ -176,6 +176,8 @@ class FSDPState:
             return args, kwargs
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             group.set_phase(TrainingPhase.FORWARD)
+            if group.is_stale():
+                group.reshard()
             group.unshard()
             group.wait_for_unshard()
             if torch.is_grad_enabled() and group.trainable:
