@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world

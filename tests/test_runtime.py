@@ -14,11 +14,21 @@ from torch.distributed.tensor import DTensor
 
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import CollectiveLog, cpu_mesh, full, global_mean, max_param_diff, world
-from test_parity import TOL, _mlp_loss, _train_pair, make_mlp, mlp_batch
+from test_parity import TOL, _mlp_loss, _train_pair, make_mlp, mlp_batch, shard_mlp
 
 
 def _all_states(model: nn.Module):
     return [m.__dict__["_fsdp_state"] for m in model.modules() if "_fsdp_state" in m.__dict__]
+
+
+def _nested_mlp_and_reference() -> tuple[nn.Module, nn.Module]:
+    """The parity MLP with each block and the root sharded, and an unsharded copy of it."""
+    from fully_shard import fully_shard
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    return model, ref
 
 
 def _unsharded_bytes_alive(model: nn.Module) -> int:
@@ -212,14 +222,9 @@ def test_module_run_twice_per_forward(ranks, world_size, reshard):
 def _standalone_block() -> dict:
     """After the root's first step, a non-root block's forward/backward on its own gives the
     reference gradients and leaves nothing unsharded."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    for block in model[:3]:
-        fully_shard(block, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+    model, ref = _nested_mlp_and_reference()
     x, y = mlp_batch(0)
     _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
     model.zero_grad()
@@ -239,14 +244,9 @@ def test_non_root_block_alone(ranks, world_size):
 def _accumulate_two_backwards() -> dict:
     """Two backward calls (half the batch each, loss scaled by 1/2) before one step equal one
     step on the whole batch: reduce-scattered gradients add into the sharded ``.grad``."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    for block in model[:3]:
-        fully_shard(block, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+    model, ref = _nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
@@ -314,14 +314,9 @@ def _forward_without_backward_then_step() -> dict:
     """A grad-enabled forward that never runs backward (e.g. a logged validation loss) leaves the
     root unsharded; an optimizer step then changes the shards. The next forward must use the new
     values, not the stale unsharded copy."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    for block in model[:3]:
-        fully_shard(block, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+    model, ref = _nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     diffs = []
@@ -343,14 +338,9 @@ def _forward_without_backward_then_step() -> dict:
 
 def _eval_under_no_grad() -> dict:
     """Evaluation under no_grad matches the reference and keeps nothing unsharded, root included."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    for block in model[:3]:
-        fully_shard(block, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+    model, ref = _nested_mlp_and_reference()
     x, _ = mlp_batch(0)
     with torch.no_grad():
         out = model(x.chunk(w)[rank])
