@@ -1,7 +1,14 @@
 """fully_shard: FSDP2-style sharding of parameters, gradients and optimizer state."""
 
-from .api import FSDPModule, UnshardHandle, fully_shard
+from . import debug
+from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .unsharded import unsharded
+
+# `from fully_shard import fully_shard` gives the function; these keep the package-style
+# spellings (`fully_shard.unsharded(...)`, `fully_shard.debug.trace()`) working on it too.
+fully_shard.unsharded = unsharded  # type: ignore[attr-defined]
+fully_shard.debug = debug  # type: ignore[attr-defined]
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -9,5 +16,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "debug",
     "fully_shard",
+    "register_fsdp_forward_method",
+    "unsharded",
 ]

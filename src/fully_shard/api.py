@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -13,6 +14,7 @@ from .mesh import MeshInfo, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .debug import attach_active_traces
 from .state import FSDPState
 
 
@@ -31,19 +33,38 @@ class UnshardHandle:
 class FSDPModule:
     """Mixed into the class of every module ``fully_shard`` was applied to.
 
-    ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m, OriginalClass)`` still holds.
+    ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m, OriginalClass)`` still
+    holds. Methods with ``recurse=True`` apply to every ``fully_shard`` module in this subtree.
     """
 
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
 
+    def _fsdp_states(self, recurse: bool) -> Iterator[FSDPState]:
+        if not recurse:
+            yield self._fsdp_state()
+            return
+        seen: set[int] = set()
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = module.__dict__.get("_fsdp_state")
+            if state is not None and id(state) not in seen:
+                seen.add(id(state))
+                yield state
+
+    # -- manual unshard / reshard ----------------------------------------------------------------
+
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """All-gather this module's parameters now. With ``async_op`` return a handle to wait on."""
+        """All-gather this module's parameters now. With ``async_op`` return a handle to wait on.
+
+        A forward that follows uses these parameters (no second all-gather).
+        """
         state = self._fsdp_state()
-        state._ctx()  # lazy init, so the group knows its streams
+        attach_active_traces(state._ctx().comm)  # lazy init, so the group knows its streams
         group = state.group
         if group is not None:
-            group.unshard()
+            if group.is_stale():
+                group.reshard()
+            group.unshard("explicit")
         handle = UnshardHandle(group)
         if async_op:
             return handle
@@ -55,6 +76,114 @@ class FSDPModule:
         group = self._fsdp_state().group
         if group is not None:
             group.reshard()
+
+    # -- run-time knobs --------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward reduces nothing; gradients accumulate unsharded until a backward
+        with ``True`` reduce-scatters them once (gradient accumulation without communication)."""
+        for state in self._fsdp_states(recurse):
+            state.settings.requires_gradient_sync = _check_bool("requires_gradient_sync", requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False``: keep the parameters unsharded after backward, so the next micro-batch's
+        forward needs no all-gather (they are re-gathered anyway once an optimizer step changed them)."""
+        for state in self._fsdp_states(recurse):
+            state.settings.reshard_after_backward = _check_bool("reshard_after_backward", reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at run time (see `fully_shard`)."""
+        for state in self._fsdp_states(recurse):
+            state.settings.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
+            state.resolve_reshard_after_forward()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False`` (call on the root): the coming backward is not the last before the optimizer
+        step, so its end need not wait for the last reduce-scatter."""
+        self._fsdp_state().settings.is_last_backward = _check_bool("is_last_backward", is_last_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters right after this module's, in its pre-forward."""
+        self._fsdp_state().settings.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
+        """All-gather these modules' parameters in this module's pre-backward (replaces the
+        implicit prefetch of the module that ran just before it in forward)."""
+        self._fsdp_state().settings.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
+
+    def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
+        """Divide reduced gradients by ``factor`` instead of the world size (1.0: plain sum)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}.")
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
+        """Accepted for API parity: this library always reduces with SUM and divides itself, so
+        the collectives use sum-type reductions whatever this is set to."""
+        _check_bool("enable", enable)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not all-gather this module's parameters for backward (for modules whose
+        backward does not read them, e.g. an embedding lookup)."""
+        self._fsdp_state().settings.unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accelerators: the next forward's first all-gather waits for ``event`` (recorded after
+        the optimizer step) instead of everything queued on the compute stream. Call on the root.
+        Ignored on CPU, where there are no streams."""
+        if not isinstance(event, torch.Event):
+            raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}.")
+        self._fsdp_state().settings.post_optim_event = event
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: reshard every module under this root and
+        discard the failed iteration's unreduced gradients, so the next iteration runs cleanly.
+        Gradients already reduced into ``.grad`` stay; call ``optimizer.zero_grad()`` to drop them."""
+        state = self._fsdp_state()
+        if state.ctx is not None:
+            state.ctx.reset()
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def _prefetch_states(method: str, modules: list[Any]) -> list[FSDPState]:
+    states = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method} got a {type(m).__name__}, which fully_shard was not applied to; pass modules "
+                "returned by fully_shard (the ones whose parameters should be all-gathered early)."
+            )
+        states.append(m._fsdp_state())
+    return states
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` unshard and reshard like ``forward`` does (e.g. ``generate``)."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(
+            f"register_fsdp_forward_method needs a module fully_shard was applied to, got {type(module).__name__}."
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register.")
+    state = module._fsdp_state()
+    module.__dict__[method_name] = _as_forward(module, method, state)
+
+
+def _as_forward(module: nn.Module, method: Callable[..., Any], state: FSDPState) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    return wrapped
 
 
 @functools.cache

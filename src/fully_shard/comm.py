@@ -24,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .debug import Trace
 
 
 @dataclass
@@ -88,6 +91,8 @@ class CommContext:
             # High priority: collectives gate compute, so let them jump the queue.
             self.all_gather_stream = torch.Stream(device=device, priority=-1)
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
+        # Who watches the collectives issued under this root (fully_shard.debug.trace).
+        self.tracers: list["Trace"] = []
 
     @property
     def async_op(self) -> bool:
@@ -96,12 +101,17 @@ class CommContext:
         return not self.uses_streams
 
     @contextlib.contextmanager
-    def on(self, stream: Optional[torch.Stream]) -> Iterator[None]:
-        """Run the body on ``stream`` after it waits for the current stream's work so far."""
+    def on(self, stream: Optional[torch.Stream], after: Optional[torch.Event] = None) -> Iterator[None]:
+        """Run the body on ``stream`` after it waits for the current stream's work so far, or
+        only for ``after`` when given (a post-optimizer event: safe because everything the
+        side stream's buffers were read by was queued before the optimizer step)."""
         if stream is None:
             yield
             return
-        stream.wait_stream(torch.accelerator.current_stream(self.device))
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.accelerator.current_stream(self.device))
         with stream:
             yield
 
@@ -110,3 +120,10 @@ class CommContext:
             return None
         stream = stream if stream is not None else torch.accelerator.current_stream(self.device)
         return stream.record_event()
+
+    def record_collective(self, phase: str, module: str, op: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        if not self.tracers:
+            return
+        nbytes = tensor.numel() * tensor.element_size()
+        for t in self.tracers:
+            t.add(phase, module or "<root>", op, tensor.dtype, nbytes, group.size(), group.group_name)

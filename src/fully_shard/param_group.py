@@ -61,6 +61,8 @@ class FSDPParamGroup:
         self._all_gather: Optional[Pending] = None
         # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
         self._gathered_versions: tuple[int, ...] = ()
+        # Reduced gradients are divided by this (None: the shard world size, i.e. an average).
+        self.gradient_divide_factor: Optional[float] = None
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
@@ -92,13 +94,17 @@ class FSDPParamGroup:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable."""
+    def unshard(self, phase: str = "explicit", after: Optional[torch.Event] = None) -> None:
+        """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable.
+
+        ``phase`` labels the collective in traces; ``after`` is a post-optimizer event the
+        all-gather stream waits for instead of the whole compute stream.
+        """
         if self.is_unsharded or self._all_gather is not None:
             return
         comm = self._comm()
         self._gathered_versions = self._shard_versions()
-        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream):
+        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
             ag_input, output = collectives.all_gather_copy_in(
                 [p.all_gather_input() for p in self.params],
                 self.info.world_size,
@@ -108,6 +114,7 @@ class FSDPParamGroup:
             )
             work = collectives.all_gather(output, ag_input, self.info.group, comm.async_op)
             event = comm.record(comm.all_gather_stream)
+        comm.record_collective(phase, self.fqn, "all_gather", output, self.info.group)
         self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
 
     def wait_for_unshard(self) -> None:
@@ -148,22 +155,29 @@ class FSDPParamGroup:
 
     # -- reduce-scatter --------------------------------------------------------------------------
 
-    def post_backward(self) -> Optional[ReduceScatterResult]:
-        """Reshard, then issue one reduce-scatter of every unsharded gradient this backward made."""
+    def post_backward(self, phase: str = "backward", *, sync: bool = True, reshard: bool = True) -> Optional[ReduceScatterResult]:
+        """Reshard (if ``reshard``), then issue one reduce-scatter of every unsharded gradient
+        backward made so far (if ``sync``; otherwise they stay on the unsharded parameters and
+        keep accumulating there until a backward that syncs)."""
         self.set_phase(TrainingPhase.POST_BACKWARD)
         with record_function(f"FSDP::post_backward {self.fqn}"):
             params, grads = [], []
-            for p in self.trainable:
+            for p in self.trainable if sync else ():
                 grad = p.take_unsharded_grad()
                 if grad is not None:
                     params.append(p)
                     grads.append(grad)
-            self.reshard()
-            result = self._reduce_scatter(params, grads) if grads else None
+            if reshard:
+                self.reshard()
+            result = self._reduce_scatter(params, grads, phase) if grads else None
         self.set_phase(TrainingPhase.IDLE)
         return result
 
-    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> ReduceScatterResult:
+    def discard_unsharded_grads(self) -> None:
+        for p in self.trainable:
+            p.take_unsharded_grad()
+
+    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str) -> ReduceScatterResult:
         comm = self._comm()
         slot = sum(p.shard_numel for p in params)
         with torch.no_grad():
@@ -176,6 +190,7 @@ class FSDPParamGroup:
             with comm.on(comm.reduce_scatter_stream):
                 output = torch.empty(slot, dtype=self.dtype, device=self.info.device)
                 work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
+                comm.record_collective(phase, self.fqn, "reduce_scatter", rs_input, self.info.group)
                 result = ReduceScatterResult(Pending(work=work, keep_alive=(rs_input,)), output, params, False)
                 if comm.uses_streams:
                     # Stream-ordered: accumulate on the reduce-scatter stream, no host wait.
@@ -194,7 +209,9 @@ class FSDPParamGroup:
                 self._accumulate(result)
 
     def _accumulate(self, result: ReduceScatterResult) -> None:
-        result.output.div_(self.info.world_size)
+        factor = self.info.world_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        if factor != 1:
+            result.output.div_(factor)
         offset = 0
         for p in result.params:
             p.accumulate_sharded_grad(result.output.narrow(0, offset, p.shard_numel))

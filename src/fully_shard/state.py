@@ -23,7 +23,10 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
+from dataclasses import dataclass
+
 from .comm import CommContext
+from .debug import attach_active_traces
 from .mesh import MeshInfo
 from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
 
@@ -31,7 +34,8 @@ from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
 class RootContext:
     """Per-root runtime state shared by every `FSDPState` under one root module."""
 
-    def __init__(self, states: list["FSDPState"], comm: CommContext) -> None:
+    def __init__(self, root: "FSDPState", states: list["FSDPState"], comm: CommContext) -> None:
+        self.root = root
         self.states = states
         self.comm = comm
         self.post_forward_order: list[FSDPState] = []
@@ -75,9 +79,22 @@ class RootContext:
         with record_function("FSDP::backward_end"):
             for state in self.states:
                 state.finish_backward()
-            self.finish_pending_reduce()
-            self.post_forward_order.clear()
+            # Not the last backward before the step (micro-batching): leave the last
+            # reduce-scatter in flight and keep the prefetch order for the backwards to come.
+            if self.root.settings.is_last_backward:
+                self.finish_pending_reduce()
+                self.post_forward_order.clear()
             self.final_callback_queued = False
+
+    def reset(self) -> None:
+        """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
+        if self.pending_reduce is not None:
+            self.pending_reduce[1].pending.wait()  # let the collective land before dropping its buffers
+            self.pending_reduce = None
+        for state in self.states:
+            state.reset()
+        self.post_forward_order.clear()
+        self.final_callback_queued = False
 
 
 class _PostBackwardSignal(torch.autograd.Function):
@@ -99,6 +116,20 @@ class _PostBackwardSignal(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass
+class StateSettings:
+    """What the user set on one ``fully_shard`` module (``FSDPModule.set_*``)."""
+
+    reshard_after_forward: Optional[bool] = None  # None: True, except for the root
+    reshard_after_backward: bool = True
+    requires_gradient_sync: bool = True
+    unshard_in_backward: bool = True
+    is_last_backward: bool = True  # read from the root's settings
+    forward_prefetch: Optional[list["FSDPState"]] = None  # None: no forward prefetch
+    backward_prefetch: Optional[list["FSDPState"]] = None  # None: implicit (reverse forward order)
+    post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
+
+
 class FSDPState:
     def __init__(
         self,
@@ -110,7 +141,7 @@ class FSDPState:
         self.modules = modules
         self.group = group
         self.info = info
-        self.reshard_after_forward_setting = reshard_after_forward
+        self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.ctx: Optional[RootContext] = None
         self.is_root = False
@@ -141,7 +172,7 @@ class FSDPState:
                 f"fully_shard modules under one root use meshes on different devices {sorted(device_types)}; "
                 "give every fully_shard call a mesh on the same device type."
             )
-        ctx = RootContext(states, CommContext(self.info.device))
+        ctx = RootContext(self, states, CommContext(self.info.device))
         for state in states:
             state._join(ctx, is_root=state is self, fqn=names.get(state.modules[0], ""))
 
@@ -149,14 +180,17 @@ class FSDPState:
         self.ctx = ctx
         self.is_root = is_root
         self.fqn = fqn
-        setting = self.reshard_after_forward_setting
-        # The root's parameters are needed first in backward, so keeping them is free prefetch.
-        self.reshard_after_forward = (not is_root) if setting is None else setting
+        self.resolve_reshard_after_forward()
         if self.group is not None:
             self.group.comm = ctx.comm
             self.group.fqn = fqn
             for p in self.group.params:
                 p.check_shard_is_ours()
+
+    def resolve_reshard_after_forward(self) -> None:
+        setting = self.settings.reshard_after_forward
+        # The root's parameters are needed first in backward, so keeping them is free prefetch.
+        self.reshard_after_forward = (not self.is_root) if setting is None else setting
 
     def _ctx(self) -> RootContext:
         if self.ctx is None:
@@ -169,8 +203,10 @@ class FSDPState:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.ctx is None:
             self.lazy_init()
+        after: Optional[torch.Event] = None
         if self.is_root:
             args, kwargs = self._move_inputs(args, kwargs)
+            after = self._start_iteration()
         group = self.group
         if group is None:
             return args, kwargs
@@ -178,11 +214,25 @@ class FSDPState:
             group.set_phase(TrainingPhase.FORWARD)
             if group.is_stale():
                 group.reshard()
-            group.unshard()
+            group.unshard("forward", after)
             group.wait_for_unshard()
+            for target in self.settings.forward_prefetch or ():
+                if target.group is not None:
+                    if target.group.is_stale():
+                        target.group.reshard()
+                    target.group.unshard("forward_prefetch")
             if torch.is_grad_enabled() and group.trainable:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
+
+    def _start_iteration(self) -> Optional[torch.Event]:
+        """Root, start of a forward: hook up open traces; hand over a post-optimizer event."""
+        ctx = self._ctx()
+        attach_active_traces(ctx.comm)
+        for t in ctx.comm.tracers:
+            t.begin_step()
+        event, self.settings.post_optim_event = self.settings.post_optim_event, None
+        return event
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         group = self.group
@@ -248,27 +298,41 @@ class FSDPState:
             return
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             group.set_phase(TrainingPhase.PRE_BACKWARD)
-            group.unshard()  # a no-op when the previous group's backward prefetched it
-            group.wait_for_unshard()
+            if self.settings.unshard_in_backward:
+                group.unshard("backward")  # a no-op when the previous group's backward prefetched it
+                group.wait_for_unshard()
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
-            target = ctx.backward_prefetch_target(self)
-            if target is not None and target.group is not None:
-                with record_function(f"FSDP::backward_prefetch {target.fqn}"):
-                    target.group.unshard()
+            implicit = ctx.backward_prefetch_target(self)
+            explicit = self.settings.backward_prefetch
+            for target in explicit if explicit is not None else [implicit] if implicit is not None else []:
+                if target.group is not None and target.settings.unshard_in_backward:
+                    with record_function(f"FSDP::backward_prefetch {target.fqn}"):
+                        target.group.unshard("backward_prefetch")
 
     def post_backward_signal(self) -> None:
         self._signals_pending = max(0, self._signals_pending - 1)
         if self._signals_pending == 0:
-            self._post_backward()
+            self._post_backward("backward")
 
-    def _post_backward(self) -> None:
+    def _post_backward(self, phase: str) -> None:
         assert self.group is not None
-        self._ctx().start_reduce(self.group, self.group.post_backward())
+        result = self.group.post_backward(
+            phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward
+        )
+        self._ctx().start_reduce(self.group, result)
 
     def finish_backward(self) -> None:
         """End of backward: reduce whatever gradients the post-backward signals missed."""
         self._signals_pending = 0
         self._members_done.clear()
         if self.group is not None:
-            self._post_backward()
+            self._post_backward("end_of_backward")
+
+    def reset(self) -> None:
+        self._signals_pending = 0
+        self._members_done.clear()
+        if self.group is not None:
+            self.group.reshard()
+            self.group.discard_unsharded_grads()
+            self.group.phase = TrainingPhase.IDLE  # a reset may leave any phase: start over

@@ -1,0 +1,117 @@
+"""A collective trace users can turn on: every all-gather and reduce-scatter, with why it ran.
+
+    with fully_shard.debug.trace() as t:
+        loss = model(x).sum()
+        loss.backward()
+    print(t.summary())
+
+A trace attaches to every root whose forward (or explicit ``unshard``) starts inside the
+``with`` block, and from then on sees all of that root's collectives, including those issued from
+backward on an accelerator's autograd thread. Which traces are active is a ``ContextVar``, so
+ranks that run as threads of one process each see only their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .comm import CommContext
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective as issued by this rank.
+
+    ``step`` counts root forwards inside the trace (0, 1, ...). ``phase`` says why it ran:
+    ``forward``, ``backward``, ``forward_prefetch``, ``backward_prefetch``, ``explicit``
+    (``FSDPModule.unshard``), ``unsharded_context``, or ``end_of_backward`` (a reduce-scatter the
+    end-of-backward callback issued because no post-backward signal fired for that group).
+    ``nbytes`` is the size of the all-gather output / reduce-scatter input on this rank.
+    """
+
+    step: int
+    phase: str
+    module: str
+    op: str
+    dtype: torch.dtype
+    nbytes: int
+    group_size: int
+    group_name: str
+
+
+@dataclass(eq=False)
+class Trace:
+    records: list[CollectiveRecord] = field(default_factory=list)
+    step: int = 0
+    _started: bool = False
+    _comms: list["CommContext"] = field(default_factory=list)
+
+    def begin_step(self) -> None:
+        if self._started:
+            self.step += 1
+        self._started = True
+
+    def add(self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str) -> None:
+        self.records.append(CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name))
+
+    def select(
+        self, *, op: Optional[str] = None, phase: Optional[str] = None, step: Optional[int] = None, module: Optional[str] = None
+    ) -> list[CollectiveRecord]:
+        return [
+            r
+            for r in self.records
+            if (op is None or r.op == op)
+            and (phase is None or r.phase == phase)
+            and (step is None or r.step == step)
+            and (module is None or r.module == module)
+        ]
+
+    def count(self, **filters: object) -> int:
+        return len(self.select(**filters))  # type: ignore[arg-type]
+
+    def summary(self) -> str:
+        """A per-step table: how many collectives of each kind, and how many bytes, per phase."""
+        lines = [f"{'step':>4}  {'phase':<18} {'op':<15} {'count':>5} {'MiB':>10}  modules"]
+        groups: dict[tuple[int, str, str], list[CollectiveRecord]] = {}
+        for r in self.records:
+            groups.setdefault((r.step, r.phase, r.op), []).append(r)
+        for (step, phase, op), recs in groups.items():
+            mib = sum(r.nbytes for r in recs) / 2**20
+            modules = ", ".join(f"{m}x{n}" if n > 1 else m for m, n in Counter(r.module for r in recs).items())
+            lines.append(f"{step:>4}  {phase:<18} {op:<15} {len(recs):>5} {mib:>10.3f}  {modules}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+_ACTIVE: ContextVar[tuple[Trace, ...]] = ContextVar("fully_shard_active_traces", default=())
+
+
+@contextlib.contextmanager
+def trace() -> Iterator[Trace]:
+    """Record the collectives of every root whose forward or unshard starts inside this block."""
+    t = Trace()
+    token = _ACTIVE.set(_ACTIVE.get() + (t,))
+    try:
+        yield t
+    finally:
+        _ACTIVE.reset(token)
+        for comm in t._comms:
+            comm.tracers.remove(t)
+        t._comms.clear()
+
+
+def attach_active_traces(comm: "CommContext") -> None:
+    """Called in the user's thread when a root starts work: hook up the traces open there."""
+    for t in _ACTIVE.get():
+        if t not in comm.tracers:
+            comm.tracers.append(t)
+            t._comms.append(comm)
