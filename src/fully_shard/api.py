@@ -37,12 +37,12 @@ class FSDPModule:
     holds. Methods with ``recurse=True`` apply to every ``fully_shard`` module in this subtree.
     """
 
-    def _fsdp_state(self) -> FSDPState:
+    def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
 
     def _fsdp_states(self, recurse: bool) -> Iterator[FSDPState]:
         if not recurse:
-            yield self._fsdp_state()
+            yield self._get_fsdp_state()
             return
         seen: set[int] = set()
         for module in self.modules():  # type: ignore[attr-defined]
@@ -58,7 +58,7 @@ class FSDPModule:
 
         A forward that follows uses these parameters (no second all-gather).
         """
-        state = self._fsdp_state()
+        state = self._get_fsdp_state()
         attach_active_traces(state._ctx().comm)  # lazy init, so the group knows its streams
         group = state.group
         if group is not None:
@@ -73,7 +73,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and point it back at its shards."""
-        group = self._fsdp_state().group
+        group = self._get_fsdp_state().group
         if group is not None:
             group.reshard()
 
@@ -100,16 +100,16 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False`` (call on the root): the coming backward is not the last before the optimizer
         step, so its end need not wait for the last reduce-scatter."""
-        self._fsdp_state().settings.is_last_backward = _check_bool("is_last_backward", is_last_backward)
+        self._get_fsdp_state().settings.is_last_backward = _check_bool("is_last_backward", is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters right after this module's, in its pre-forward."""
-        self._fsdp_state().settings.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
+        self._get_fsdp_state().settings.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters in this module's pre-backward (replaces the
         implicit prefetch of the module that ran just before it in forward)."""
-        self._fsdp_state().settings.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
+        self._get_fsdp_state().settings.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide reduced gradients by ``factor`` instead of the world size (1.0: plain sum)."""
@@ -127,7 +127,7 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
         backward does not read them, e.g. an embedding lookup)."""
-        self._fsdp_state().settings.unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
+        self._get_fsdp_state().settings.unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accelerators: the next forward's first all-gather waits for ``event`` (recorded after
@@ -135,13 +135,13 @@ class FSDPModule:
         Ignored on CPU, where there are no streams."""
         if not isinstance(event, torch.Event):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}.")
-        self._fsdp_state().settings.post_optim_event = event
+        self._get_fsdp_state().settings.post_optim_event = event
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard every module under this root and
         discard the failed iteration's unreduced gradients, so the next iteration runs cleanly.
         Gradients already reduced into ``.grad`` stay; call ``optimizer.zero_grad()`` to drop them."""
-        state = self._fsdp_state()
+        state = self._get_fsdp_state()
         if state.ctx is not None:
             state.ctx.reset()
 
@@ -160,7 +160,7 @@ def _prefetch_states(method: str, modules: list[Any]) -> list[FSDPState]:
                 f"{method} got a {type(m).__name__}, which fully_shard was not applied to; pass modules "
                 "returned by fully_shard (the ones whose parameters should be all-gathered early)."
             )
-        states.append(m._fsdp_state())
+        states.append(m._get_fsdp_state())
     return states
 
 
@@ -173,7 +173,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register.")
-    state = module._fsdp_state()
+    state = module._get_fsdp_state()
     module.__dict__[method_name] = _as_forward(module, method, state)
 
 
