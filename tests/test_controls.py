@@ -106,7 +106,7 @@ def test_no_reshard_after_backward_skips_all_gathers_between_micro_batches(ranks
 def _schedule(kind: str) -> dict:
     from fully_shard import debug
 
-    model, _ = _llama(reshard=kind != "no_reshard")
+    model, _ = _llama(reshard=2 if kind == "int2" else kind != "no_reshard")
     layers = model.layers
     if kind == "forward_prefetch":
         for i in range(len(layers) - 1):
@@ -128,6 +128,9 @@ def _schedule(kind: str) -> dict:
         "forward": _records(t, op="all_gather", phase="forward"),
         "forward_prefetch": _records(t, op="all_gather", phase="forward_prefetch"),
         "backward": [(r.phase, r.module) for r in t.select(op="all_gather") if r.phase.startswith("backward")],
+        "backward_group_sizes": [r.group_size for r in t.select(op="all_gather") if r.phase.startswith("backward")],
+        "forward_group_sizes": [r.group_size for r in t.select(op="all_gather", phase="forward")],
+        "backward_bytes": [r.nbytes for r in t.select(op="all_gather") if r.phase.startswith("backward")],
         "explicit": _records(t, op="all_gather", phase="explicit"),
         "reduce_scatter": t.count(op="reduce_scatter"),
         "summary": t.summary(),
@@ -167,6 +170,32 @@ def test_explicit_backward_prefetch_schedule(ranks, world_size):
 def test_no_reshard_after_forward_means_no_backward_all_gather(ranks, world_size, kind):
     for r in ranks(world_size).run(_schedule, kind):
         assert len(r["forward"]) == 4 and r["backward"] == [] and r["reduce_scatter"] == 4, r["summary"]
+
+
+def test_reshard_after_forward_int_gathers_within_the_smaller_group(ranks):
+    """World 4, reshard_after_forward=2: forward gathers over 4 ranks, backward over pairs."""
+    for r in ranks(4).run(_schedule, "int2"):
+        print(r["summary"])
+        assert r["forward_group_sizes"] == [4, 4, 4, 4]
+        assert r["backward"] == [("backward_prefetch", f"layers.{i}") for i in (2, 1, 0)]
+        assert r["backward_group_sizes"] == [2, 2, 2]
+
+
+def _reshard_int_parity(k) -> dict:
+    from test_parity import LLAMA_LR, _llama_loss, _train_pair, llama_batch
+
+    model, ref = _llama(reshard=k)
+    result = _train_pair(model, ref, llama_batch, _llama_loss, 5, LLAMA_LR)
+    states = [m.__dict__["_fsdp_state"] for m in model.modules() if "_fsdp_state" in m.__dict__]
+    result["post_forward_alive"] = sum(s.group._post_forward_shard is not None for s in states if s.group)
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_reshard_after_forward_int_trains_like_the_reference(ranks, world_size):
+    k = max(1, world_size // 2)  # world 4: pairs; world 2: 1 (= keep unsharded); world 1: 1
+    for r in ranks(world_size).run(_reshard_int_parity, k):
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL and r["post_forward_alive"] == 0, r
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -442,5 +471,5 @@ def test_gradient_divide_factor(ranks, world_size):
 def test_trace_summary_is_readable(ranks):
     r = ranks(2).run(_schedule, "implicit")[0]
     lines = r["summary"].splitlines()
-    assert lines[0].split()[:5] == ["step", "phase", "op", "count", "MiB"]
+    assert lines[0].split()[:6] == ["step", "phase", "op", "ranks", "count", "MiB"]
     assert any("backward_prefetch" in line and "all_gather" in line for line in lines[1:])

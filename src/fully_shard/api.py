@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .discovery import check_params, claim_originals, find_params, is_sharded_module, move_buffers
-from .mesh import MeshInfo, mesh_info
+from .mesh import MeshInfo, check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -195,7 +195,7 @@ def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
     mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
@@ -209,7 +209,9 @@ def fully_shard(
         mesh: a 1-D ``DeviceMesh``; default: every rank of the default process group, on the
             current accelerator if there is one, else CPU.
         reshard_after_forward: free the unsharded parameters after forward (and all-gather again
-            for backward). ``None``: ``True``, except for the root, which keeps them.
+            for backward). ``None``: ``True``, except for the root, which keeps them. An ``int``
+            ``k`` dividing the shard world size: after forward keep the parameters sharded over
+            groups of ``k`` consecutive ranks (e.g. one node), so backward all-gathers within them.
         mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy`.
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
 
@@ -218,6 +220,7 @@ def fully_shard(
     modules = _as_module_list(module)
     _check_options(reshard_after_forward, mp_policy, offload_policy)
     info = mesh_info(mesh)
+    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
     _check_offload(offload_policy, info)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
@@ -259,12 +262,8 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
 
 
 def _check_options(
-    reshard_after_forward: Optional[bool], mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
+    reshard_after_forward: Union[bool, int, None], mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
 ) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}."
-        )
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
     if not isinstance(offload_policy, OffloadPolicy):

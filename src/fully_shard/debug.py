@@ -78,14 +78,14 @@ class Trace:
 
     def summary(self) -> str:
         """A per-step table: how many collectives of each kind, and how many bytes, per phase."""
-        lines = [f"{'step':>4}  {'phase':<18} {'op':<15} {'count':>5} {'MiB':>10}  modules"]
-        groups: dict[tuple[int, str, str], list[CollectiveRecord]] = {}
+        lines = [f"{'step':>4}  {'phase':<18} {'op':<15} {'ranks':>5} {'count':>5} {'MiB':>10}  modules"]
+        groups: dict[tuple[int, str, str, int], list[CollectiveRecord]] = {}
         for r in self.records:
-            groups.setdefault((r.step, r.phase, r.op), []).append(r)
-        for (step, phase, op), recs in groups.items():
+            groups.setdefault((r.step, r.phase, r.op, r.group_size), []).append(r)
+        for (step, phase, op, size), recs in groups.items():
             mib = sum(r.nbytes for r in recs) / 2**20
             modules = ", ".join(f"{m}x{n}" if n > 1 else m for m, n in Counter(r.module for r in recs).items())
-            lines.append(f"{step:>4}  {phase:<18} {op:<15} {len(recs):>5} {mib:>10.3f}  {modules}")
+            lines.append(f"{step:>4}  {phase:<18} {op:<15} {size:>5} {len(recs):>5} {mib:>10.3f}  {modules}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -66,3 +66,48 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
         rank=mesh.get_local_rank(0),
         device=mesh_device(mesh),
     )
+
+
+@dataclass(frozen=True)
+class PostForwardGroup:
+    """``reshard_after_forward=k``: the ``k`` consecutive shard ranks this rank keeps a share with.
+
+    Between forward and backward this rank holds shard-world rows ``[pos * W/k, (pos+1) * W/k)``
+    of each parameter, so backward all-gathers over ``group`` (``k`` ranks, e.g. one node)
+    instead of the whole shard world.
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+
+
+def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:
+    """Create the ``W / size`` subgroups of ``info``'s shard group and return this rank's.
+
+    ``new_group`` is collective: every rank must call this in the same order (lazy init does).
+    """
+    ranks = dist.get_process_group_ranks(info.group)
+    mine: Optional[dist.ProcessGroup] = None
+    for start in range(0, info.world_size, size):
+        subgroup = dist.new_group(ranks[start : start + size], use_local_synchronization=False)
+        if start <= info.rank < start + size:
+            mine = subgroup
+    assert mine is not None
+    return PostForwardGroup(group=mine, size=size, rank=info.rank % size)
+
+
+def check_reshard_after_forward(value: object, info: MeshInfo) -> object:
+    """``True``/``False``/``None``, or an ``int`` that divides the shard world size."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int) or value < 1 or info.world_size % value:
+        raise ValueError(
+            f"reshard_after_forward must be True, False, None or an int that divides the shard world "
+            f"size {info.world_size} (e.g. the ranks per node), got {value!r}."
+        )
+    if value == info.world_size:
+        return True  # resharding to the whole world is plain resharding
+    if value == 1:
+        return False  # a group of one keeps everything
+    return value

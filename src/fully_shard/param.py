@@ -43,6 +43,9 @@ from .mesh import MeshInfo
 class ShardedState(Enum):
     SHARDED = auto()
     UNSHARDED = auto()
+    # Groups only (reshard_after_forward=int): between forward and backward, sharded over a
+    # smaller group. Parameters themselves are SHARDED then (modules see the shards).
+    SHARDED_POST_FORWARD = auto()
 
 
 _ALLOWED = {

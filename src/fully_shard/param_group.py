@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from . import collectives
 from .comm import CommContext, Pending
-from .mesh import MeshInfo
+from .mesh import MeshInfo, PostForwardGroup
 from .param import FSDPParam, ShardedState
 
 
@@ -35,6 +35,13 @@ _PHASE_ALLOWED: dict[TrainingPhase, set[TrainingPhase]] = {
     TrainingPhase.FORWARD: {TrainingPhase.IDLE, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
     TrainingPhase.PRE_BACKWARD: {TrainingPhase.FORWARD, TrainingPhase.POST_BACKWARD, TrainingPhase.IDLE},
     TrainingPhase.POST_BACKWARD: {TrainingPhase.IDLE},
+}
+
+
+_GROUP_STATES_ALLOWED: dict[ShardedState, set[ShardedState]] = {
+    ShardedState.SHARDED: {ShardedState.UNSHARDED},
+    ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD},
+    ShardedState.SHARDED_POST_FORWARD: {ShardedState.UNSHARDED, ShardedState.SHARDED},
 }
 
 
@@ -63,9 +70,22 @@ class FSDPParamGroup:
         self._gathered_versions: tuple[int, ...] = ()
         # Reduced gradients are divided by this (None: the shard world size, i.e. an average).
         self.gradient_divide_factor: Optional[float] = None
+        # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
+        self.post_forward: Optional[PostForwardGroup] = None
+        self._post_forward_shard: Optional[torch.Tensor] = None
+        self._all_gather_world = info.world_size  # world of the all-gather in flight
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
+
+    def _set_sharded_state(self, to: ShardedState) -> None:
+        if to is self.sharded_state:
+            return
+        if to not in _GROUP_STATES_ALLOWED[self.sharded_state]:
+            raise RuntimeError(
+                f"fully_shard group {self.fqn or '<root>'}: illegal transition {self.sharded_state.name} -> {to.name}"
+            )
+        self.sharded_state = to
 
     def set_phase(self, phase: TrainingPhase) -> None:
         if phase is self.phase:
@@ -103,19 +123,23 @@ class FSDPParamGroup:
         if self.is_unsharded or self._all_gather is not None:
             return
         comm = self._comm()
-        self._gathered_versions = self._shard_versions()
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            # Gather back from the smaller group's shares; they came from the last full gather,
+            # so the gathered versions stay those of that gather.
+            assert self.post_forward is not None and self._post_forward_shard is not None
+            inputs = [self._post_forward_shard]
+            world, rank, group = self.post_forward.size, self.post_forward.rank, self.post_forward.group
+        else:
+            self._gathered_versions = self._shard_versions()
+            inputs = [p.all_gather_input() for p in self.params]
+            world, rank, group = self.info.world_size, self.info.rank, self.info.group
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
-            ag_input, output = collectives.all_gather_copy_in(
-                [p.all_gather_input() for p in self.params],
-                self.info.world_size,
-                self.info.rank,
-                self.dtype,
-                self.info.device,
-            )
-            work = collectives.all_gather(output, ag_input, self.info.group, comm.async_op)
+            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, self.dtype, self.info.device)
+            work = collectives.all_gather(output, ag_input, group, comm.async_op)
             event = comm.record(comm.all_gather_stream)
-        comm.record_collective(phase, self.fqn, "all_gather", output, self.info.group)
+        comm.record_collective(phase, self.fqn, "all_gather", output, group)
         self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
+        self._all_gather_world = world
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gather, copy out into the unsharded parameters and swap them in."""
@@ -126,11 +150,13 @@ class FSDPParamGroup:
         with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad():
             pending.wait()
             output = pending.keep_alive[0]
-            outs = [p.alloc_all_gather_output() for p in self.params]
-            collectives.all_gather_copy_out(output, self.info.world_size, outs)
+            world = self._all_gather_world
+            outs = [p.alloc_all_gather_output().view(world, -1) for p in self.params]
+            collectives.all_gather_copy_out(output, world, outs)
         for p in self.params:
             p.to_unsharded()
-        self.sharded_state = ShardedState.UNSHARDED
+        self._post_forward_shard = None
+        self._set_sharded_state(ShardedState.UNSHARDED)
 
     def _shard_versions(self) -> tuple[int, ...]:
         return tuple(p.shard_version for p in self.params)
@@ -138,7 +164,8 @@ class FSDPParamGroup:
     def is_stale(self) -> bool:
         """Whether a shard changed since this group was gathered (e.g. an optimizer step after a
         forward whose backward never ran): the unsharded parameters must not be used then."""
-        return (self.is_unsharded or self._all_gather is not None) and self._gathered_versions != self._shard_versions()
+        holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
+        return holds_copy and self._gathered_versions != self._shard_versions()
 
     # -- reshard ---------------------------------------------------------------------------------
 
@@ -147,11 +174,27 @@ class FSDPParamGroup:
         if self._all_gather is not None:  # prefetched, never used: let it land before dropping its buffer
             self._all_gather.wait()
             self._all_gather = None
+        self._post_forward_shard = None
+        if self.is_unsharded:
+            for p in self.params:
+                p.to_sharded()
+        self._set_sharded_state(ShardedState.SHARDED)
+
+    def reshard_to_post_forward(self) -> None:
+        """Keep only this rank's share of the unsharded parameters over the smaller group."""
+        assert self.post_forward is not None
         if not self.is_unsharded:
             return
+        size, pos = self.post_forward.size, self.post_forward.rank
+        rows = self.info.world_size // size  # shard-world rows each member of the smaller group keeps
+        with torch.no_grad():
+            self._post_forward_shard = torch.cat(
+                [p.padded_unsharded.view(self.info.world_size, -1)[pos * rows : (pos + 1) * rows].reshape(-1)
+                 for p in self.params]
+            )
         for p in self.params:
             p.to_sharded()
-        self.sharded_state = ShardedState.SHARDED
+        self._set_sharded_state(ShardedState.SHARDED_POST_FORWARD)
 
     # -- reduce-scatter --------------------------------------------------------------------------
 

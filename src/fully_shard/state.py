@@ -15,7 +15,7 @@ Hook map (each hook is a thin adapter to a named method):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .comm import CommContext
 from .debug import attach_active_traces
-from .mesh import MeshInfo
+from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
 
 
@@ -41,6 +41,14 @@ class RootContext:
         self.post_forward_order: list[FSDPState] = []
         self.final_callback_queued = False
         self.pending_reduce: Optional[tuple[FSDPParamGroup, ReduceScatterResult]] = None
+        self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
+
+    def post_forward_group(self, info: MeshInfo, size: int) -> PostForwardGroup:
+        """One set of smaller groups per (shard group, size) under this root, made on first use."""
+        key = (info.group.group_name, size)
+        if key not in self._post_forward_groups:
+            self._post_forward_groups[key] = post_forward_groups(info, size)
+        return self._post_forward_groups[key]
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -97,6 +105,10 @@ class RootContext:
         self.final_callback_queued = False
 
 
+def _is_int_setting(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class _PostBackwardSignal(torch.autograd.Function):
     """Forward: passes the module's tensor inputs through unchanged.
 
@@ -120,7 +132,7 @@ class _PostBackwardSignal(torch.autograd.Function):
 class StateSettings:
     """What the user set on one ``fully_shard`` module (``FSDPModule.set_*``)."""
 
-    reshard_after_forward: Optional[bool] = None  # None: True, except for the root
+    reshard_after_forward: Union[bool, int, None] = None  # None: True, except for the root
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True
@@ -136,13 +148,13 @@ class FSDPState:
         modules: list[nn.Module],
         group: Optional[FSDPParamGroup],
         info: MeshInfo,
-        reshard_after_forward: Optional[bool],
+        reshard_after_forward: Union[bool, int, None],
     ) -> None:
         self.modules = modules
         self.group = group
         self.info = info
         self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
-        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_forward: Union[bool, int] = True if reshard_after_forward is None else reshard_after_forward
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
@@ -183,6 +195,8 @@ class FSDPState:
         self.resolve_reshard_after_forward()
         if self.group is not None:
             self.group.comm = ctx.comm
+            if _is_int_setting(self.reshard_after_forward):
+                self.group.post_forward = ctx.post_forward_group(self.info, int(self.reshard_after_forward))
             self.group.fqn = fqn
             for p in self.group.params:
                 p.check_shard_is_ours()
@@ -245,8 +259,10 @@ class FSDPState:
             if not self._all_members_done(module):
                 return output
             # Without grad no backward will come for these parameters: keep nothing unsharded.
-            if self.reshard_after_forward or not grad_enabled:
+            if not grad_enabled or self.reshard_after_forward is True:
                 group.reshard()
+            elif _is_int_setting(self.reshard_after_forward) and group.post_forward is not None:
+                group.reshard_to_post_forward()
             group.set_phase(TrainingPhase.IDLE)
             if grad_enabled:
                 self._ctx().post_forward_order.append(self)
