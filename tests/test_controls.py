@@ -274,7 +274,7 @@ class Flaky(nn.Module):
         raise RuntimeError("injected failure in backward")
 
 
-def _reset_after_failure(where: str) -> dict:
+def _reset_after_failure(where: str, explicit_reset: bool = True) -> dict:
     from fully_shard import fully_shard
 
     rank, w = world()
@@ -294,8 +294,19 @@ def _reset_after_failure(where: str) -> dict:
             except RuntimeError as e:
                 failed = f"in {where}" in str(e)
             model[1].armed = ""
-            model.reset_iter_state()
+            if explicit_reset:
+                model.reset_iter_state()
             opt.zero_grad()  # gradients a failed backward already reduced are dropped here
+            if not explicit_reset:
+                import warnings
+
+                with warnings.catch_warnings(record=True) as caught:  # the next forward resets itself
+                    warnings.simplefilter("always")
+                    model(x.chunk(w)[rank][:1])
+                warned = any("did not finish" in str(c.message) for c in caught)
+                if where == "backward" and not warned:
+                    raise AssertionError("no warning about the failed backward")
+                model.zero_grad()
             unsharded_after_reset = sum(
                 p.padded_unsharded.untyped_storage().nbytes()
                 for m in model.modules() if "_fsdp_state" in m.__dict__
@@ -316,6 +327,14 @@ def _reset_after_failure(where: str) -> dict:
 def test_reset_iter_state_after_exception(ranks, world_size, where):
     for r in ranks(world_size).run(_reset_after_failure, where):
         assert r["failed"] and r["unsharded_after_reset"] == 0 and r["param_diff"] <= TOL, r
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_failed_backward_is_detected_without_reset(ranks, world_size):
+    """Forgetting reset_iter_state after a failed backward: the next forward notices (the
+    end-of-backward callback never ran), warns, resets, and training stays correct."""
+    for r in ranks(world_size).run(_reset_after_failure, "backward", False):
+        assert r["failed"] and r["param_diff"] <= TOL, r
 
 
 # -- gather-full-parameters context ------------------------------------------------------------

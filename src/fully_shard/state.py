@@ -15,6 +15,7 @@ Hook map (each hook is a thin adapter to a named method):
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -240,8 +241,19 @@ class FSDPState:
         return args, kwargs
 
     def _start_iteration(self) -> Optional[torch.Event]:
-        """Root, start of a forward: hook up open traces; hand over a post-optimizer event."""
+        """Root, start of a forward: recover from a backward that died; hook up open traces;
+        hand over a post-optimizer event."""
         ctx = self._ctx()
+        if ctx.final_callback_queued and torch._C._current_autograd_node() is None:
+            # The engine runs queued callbacks only when backward succeeds: this one raised.
+            warnings.warn(
+                f"fully_shard: the previous backward through {type(self.modules[0]).__name__} did not finish "
+                "(it raised); resetting its state and discarding its unreduced gradients. Gradients it "
+                "had already reduced are still in .grad: call optimizer.zero_grad() before the next step "
+                "(and call reset_iter_state() yourself after catching such an exception to silence this).",
+                stacklevel=3,
+            )
+            ctx.reset()
         attach_active_traces(ctx.comm)
         for t in ctx.comm.tracers:
             t.begin_step()
