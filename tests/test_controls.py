@@ -138,7 +138,7 @@ def _schedule(kind: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_implicit_backward_prefetch_schedule(ranks, world_size):
     for r in ranks(world_size).run(_schedule, "implicit"):
         print(r["summary"])
@@ -148,7 +148,7 @@ def test_implicit_backward_prefetch_schedule(ranks, world_size):
         assert r["reduce_scatter"] == 4
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_explicit_forward_prefetch_schedule(ranks, world_size):
     results = ranks(world_size).run(_schedule, "forward_prefetch")
     baseline = ranks(world_size).run(_schedule, "implicit")
@@ -158,14 +158,14 @@ def test_explicit_forward_prefetch_schedule(ranks, world_size):
         assert abs(r["loss"] - b["loss"]) == 0.0  # same math, different schedule
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_explicit_backward_prefetch_schedule(ranks, world_size):
     for r in ranks(world_size).run(_schedule, "backward_prefetch"):
         assert r["backward"] == [("backward_prefetch", "layers.2"), ("backward_prefetch", "layers.1"),
                                  ("backward_prefetch", "layers.0")]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("kind", ["no_reshard", "runtime_no_reshard"])
 def test_no_reshard_after_forward_means_no_backward_all_gather(ranks, world_size, kind):
     for r in ranks(world_size).run(_schedule, kind):

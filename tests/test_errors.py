@@ -98,3 +98,29 @@ def test_bad_options():
         assert _untouched(model)
         fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy())  # a no-op on a CPU mesh
         assert isinstance(model.weight, DTensor)
+
+
+def test_control_surface_bad_input():
+    from fully_shard import register_fsdp_forward_method, unsharded
+
+    with fake_world(4) as mesh:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="set_modules_to_forward_prefetch got a Linear.*not applied"):
+            model.set_modules_to_forward_prefetch([model[1]])
+        with pytest.raises(ValueError, match="positive number"):
+            model.set_gradient_divide_factor(0)
+        with pytest.raises(ValueError, match="requires_gradient_sync must be True or False"):
+            model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="torch.Event"):
+            model.set_post_optim_event(object())  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="has no method 'generate'"):
+            register_fsdp_forward_method(model, "generate")
+        with pytest.raises(ValueError, match="needs a module fully_shard was applied to"):
+            register_fsdp_forward_method(model[1], "forward")
+        with pytest.raises(ValueError, match="no fully_shard module inside"):
+            with unsharded(nn.Linear(2, 2)):
+                pass
+        with pytest.raises(ValueError, match="int that divides the shard world size 4"):
+            fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
