@@ -80,3 +80,30 @@ def test_cuda_streams_are_used(nccl_world):
     comm = model.__dict__["_fsdp_state"].ctx.comm
     assert comm.uses_streams and comm.all_gather_stream is not None and comm.reduce_scatter_stream is not None
     assert comm.all_gather_stream != torch.cuda.current_stream()
+
+
+def test_cuda_post_optim_event_keeps_parity(nccl_world):
+    """The first all-gather of each forward waits for an event recorded after optimizer.step()
+    instead of the whole compute stream: results stay the reference's."""
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=2))
+    ref = copy.deepcopy(model).cuda()
+    for layer in model.layers:
+        fully_shard(layer, mesh=nccl_world)
+    fully_shard(model, mesh=nccl_world)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(4):
+        x, y = synthetic_batch(step, 4, 16, model.cfg.vocab_size)
+        loss = loss_fn(model(x.cuda()), y.cuda())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        model.set_post_optim_event(torch.cuda.current_stream().record_event())
+        ref_loss = loss_fn(ref(x.cuda()), y.cuda())
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5
