@@ -44,7 +44,7 @@ def rotary_tables(head_dim: int, max_seq_len: int) -> tuple[torch.Tensor, torch.
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., 0::2], x[..., 1::2]
     seq = x.shape[-2]
-    cos, sin = cos[:seq], sin[:seq]
+    cos, sin = cos[:seq].to(x.dtype), sin[:seq].to(x.dtype)  # fp32 tables, low-precision activations
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 

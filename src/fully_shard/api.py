@@ -227,10 +227,10 @@ def fully_shard(
     check_params(found, info)
     # Every check has passed; from here on nothing raises on user input.
     claim_originals(found)
-    params = [FSDPParam(param, places, info) for param, places in found]
+    params = [FSDPParam(param, places, info, mp_policy) for param, places in found]
     group = FSDPParamGroup(params, info, fqn="") if params else None
     move_buffers(modules, info.device)
-    state = FSDPState(modules, group, info, reshard_after_forward)
+    state = FSDPState(modules, group, info, reshard_after_forward, mp_policy)
     for m in modules:
         _install(m, state)
     return module
@@ -268,12 +268,6 @@ def _check_options(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}.")
-    if not mp_policy.is_noop:
-        raise NotImplementedError(
-            f"{mp_policy} is valid, but this version of fully_shard computes in the parameters' own dtype "
-            "and does not apply mixed precision yet. Fix: pass MixedPrecisionPolicy() (or none), or cast the "
-            "model to the dtype you want before fully_shard."
-        )
 
 
 def _check_offload(offload_policy: OffloadPolicy, info: MeshInfo) -> None:

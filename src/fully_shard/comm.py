@@ -121,9 +121,8 @@ class CommContext:
         stream = stream if stream is not None else torch.accelerator.current_stream(self.device)
         return stream.record_event()
 
-    def record_collective(self, phase: str, module: str, op: str, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-        if not self.tracers:
-            return
-        nbytes = tensor.numel() * tensor.element_size()
+    def record_collective(
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup
+    ) -> None:
         for t in self.tracers:
-            t.add(phase, module or "<root>", op, tensor.dtype, nbytes, group.size(), group.group_name)
+            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name)

@@ -148,16 +148,6 @@ def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshI
             )
         if not param.is_floating_point() and param.requires_grad:
             raise ValueError(f"parameter '{fqn}' has dtype {param.dtype} and requires grad; that cannot be trained.")
-    dtypes: dict[torch.dtype, str] = {}
-    for param, places in found:
-        dtypes.setdefault(param.dtype, places[0].fqn)
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in dtypes.items())
-        raise ValueError(
-            f"fully_shard got parameters of different dtypes in one call ({listing}); this version "
-            "all-gathers one dtype per group. Fix: call fully_shard separately on the modules of each dtype, "
-            "or cast the module to one dtype first."
-        )
 
 
 def _device_usable(device: torch.device, mesh_device: torch.device) -> bool:

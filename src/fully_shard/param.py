@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from .mesh import MeshInfo
+from .policy import MixedPrecisionPolicy
 
 
 class ShardedState(Enum):
@@ -81,18 +82,24 @@ def local_rows(dim0: int, world_size: int, rank: int) -> int:
 class FSDPParam:
     """Owns one managed parameter: its shard, its unsharded form and the swap between them."""
 
-    def __init__(self, param: nn.Parameter, places: list[ParamPlace], info: MeshInfo) -> None:
+    def __init__(
+        self, param: nn.Parameter, places: list[ParamPlace], info: MeshInfo, mp: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    ) -> None:
         self.places = places
         self.fqn = places[0].fqn
         self.info = info
         self.requires_grad = param.requires_grad
         self.shape = param.shape
-        self.dtype = param.dtype
+        self.dtype = param.dtype  # original dtype: the shard, the optimizer, the sharded .grad
+        cast = param.is_floating_point()
+        # all-gathered and computed in this dtype; gradients are reduced in reduce_dtype
+        self.param_dtype = mp.param_dtype if cast and mp.param_dtype is not None else self.dtype
+        self.reduce_dtype = mp.reduce_dtype if cast and mp.reduce_dtype is not None else self.param_dtype
         self.rows = rows_per_rank(self.shape[0], info.world_size)
         self.row_numel = _numel(self.shape[1:])
         self.padded_shard = self._make_padded_shard(param.detach())
         self.sharded_param = self._make_sharded_param()
-        self.padded_unsharded = torch.empty(0, dtype=self.dtype, device=info.device)
+        self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self.state = ShardedState.SHARDED
         for place in places:
@@ -136,7 +143,18 @@ class FSDPParam:
     # -- all-gather side -------------------------------------------------------------------------
 
     def all_gather_input(self) -> torch.Tensor:
-        return self.padded_shard.view(-1)
+        """This rank's padded shard in ``param_dtype``, as bytes (the all-gather moves bytes, so
+        parameters of different dtypes share one collective). The cast to a lower precision
+        happens here, so the collective moves the low-precision bytes."""
+        shard = self.padded_shard.view(-1)
+        if self.param_dtype != self.dtype:
+            shard = shard.to(self.param_dtype)
+        return shard.view(torch.uint8)
+
+    @property
+    def all_gather_nbytes(self) -> int:
+        """Bytes this parameter contributes to each rank's all-gather slot."""
+        return self.shard_numel * self.param_dtype.itemsize
 
     @property
     def shard_version(self) -> int:
@@ -149,13 +167,14 @@ class FSDPParam:
         return self.sharded_param._version + self.local_shard._version
 
     def alloc_all_gather_output(self) -> torch.Tensor:
-        """Give ``padded_unsharded`` its memory back; return it viewed as ``(W, shard_numel)``."""
+        """Give ``padded_unsharded`` its memory back; return it viewed as ``(W, shard_numel)``
+        (callers view it as bytes for the copy-out)."""
         numel = self.info.world_size * self.shard_numel
         storage = self.padded_unsharded.untyped_storage()
         nbytes = numel * self.padded_unsharded.element_size()
         if storage.size() != nbytes:
             if self.padded_unsharded.numel() == 0:
-                self.padded_unsharded = torch.empty(numel, dtype=self.dtype, device=self.info.device)
+                self.padded_unsharded = torch.empty(numel, dtype=self.param_dtype, device=self.info.device)
             else:
                 storage.resize_(nbytes)
         return self.padded_unsharded.view(self.info.world_size, self.shard_numel)
@@ -165,7 +184,7 @@ class FSDPParam:
 
     def _ensure_unsharded_param(self) -> nn.Parameter:
         if self.unsharded_param is None:
-            tensor = torch.empty(0, dtype=self.dtype, device=self.info.device)
+            tensor = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
             tensor.set_(self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape))
             self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param

@@ -7,6 +7,7 @@ by the group; clearing it means it is done.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Optional
@@ -46,13 +47,30 @@ _GROUP_STATES_ALLOWED: dict[ShardedState, set[ShardedState]] = {
 
 
 @dataclass
-class ReduceScatterResult:
-    """A gradient reduce-scatter in flight and where its output goes once it lands."""
+class ReduceScatterPart:
+    """One reduce-scatter in flight (one per reduce dtype in the group) and where its output goes."""
 
     pending: Pending
     output: torch.Tensor
     params: list[FSDPParam]
-    accumulated: bool
+    post_divide: float  # what is left to divide by after the collective
+    accumulated: bool = False
+
+
+@dataclass
+class ReduceScatterResult:
+    """A group's gradient reduction in flight: usually one part, one per reduce dtype if mixed."""
+
+    parts: list[ReduceScatterPart]
+
+
+def _split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after) the sum. Low-precision sums divide part of the way first so the sum of
+    ``W`` gradients cannot overflow, and the rest after so small values do not underflow."""
+    if dtype not in (torch.float16, torch.bfloat16) or factor <= 1:
+        return 1.0, factor
+    before = 2.0 ** math.floor(math.log2(math.sqrt(factor)))
+    return before, factor / before
 
 
 class FSDPParamGroup:
@@ -61,7 +79,9 @@ class FSDPParamGroup:
         self.trainable = [p for p in params if p.requires_grad]
         self.info = info
         self.fqn = fqn
-        self.dtype = params[0].dtype
+        param_dtypes = {p.param_dtype for p in params}
+        # The all-gather moves bytes; traces show the dtype when the group has one.
+        self.all_gather_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else torch.uint8
         self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
         self.phase = TrainingPhase.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -134,10 +154,10 @@ class FSDPParamGroup:
             inputs = [p.all_gather_input() for p in self.params]
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
-            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, self.dtype, self.info.device)
+            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, torch.uint8, self.info.device)
             work = collectives.all_gather(output, ag_input, group, comm.async_op)
             event = comm.record(comm.all_gather_stream)
-        comm.record_collective(phase, self.fqn, "all_gather", output, group)
+        comm.record_collective(phase, self.fqn, "all_gather", self.all_gather_dtype, output.numel(), group)
         self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
         self._all_gather_world = world
 
@@ -151,7 +171,7 @@ class FSDPParamGroup:
             pending.wait()
             output = pending.keep_alive[0]
             world = self._all_gather_world
-            outs = [p.alloc_all_gather_output().view(world, -1) for p in self.params]
+            outs = [p.alloc_all_gather_output().view(torch.uint8).view(world, -1) for p in self.params]
             collectives.all_gather_copy_out(output, world, outs)
         for p in self.params:
             p.to_unsharded()
@@ -189,7 +209,7 @@ class FSDPParamGroup:
         rows = self.info.world_size // size  # shard-world rows each member of the smaller group keeps
         with torch.no_grad():
             self._post_forward_shard = torch.cat(
-                [p.padded_unsharded.view(self.info.world_size, -1)[pos * rows : (pos + 1) * rows].reshape(-1)
+                [p.padded_unsharded.view(torch.uint8).view(self.info.world_size, -1)[pos * rows : (pos + 1) * rows].reshape(-1)
                  for p in self.params]
             )
         for p in self.params:
@@ -221,42 +241,56 @@ class FSDPParamGroup:
             p.take_unsharded_grad()
 
     def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str) -> ReduceScatterResult:
+        by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
+        for p, g in zip(params, grads):
+            bucket = by_dtype.setdefault(p.reduce_dtype, ([], []))
+            bucket[0].append(p)
+            bucket[1].append(g)
+        grads.clear()
+        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, phase) for dtype, (ps, gs) in by_dtype.items()])
+
+    def _reduce_scatter_one(
+        self, params: list[FSDPParam], grads: list[torch.Tensor], dtype: torch.dtype, phase: str
+    ) -> ReduceScatterPart:
         comm = self._comm()
         slot = sum(p.shard_numel for p in params)
+        factor = self.info.world_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        before, after = _split_divide_factor(factor, dtype)
         with torch.no_grad():
-            # Copy-in on the compute stream, where the gradients were made: they can be freed
-            # right after with no cross-stream hazard.
-            rs_input = collectives.reduce_scatter_copy_in(
-                grads, self.info.world_size, slot, self.dtype, self.info.device
-            )
+            # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
+            # gradients were made: they can be freed right after with no cross-stream hazard.
+            rs_input = collectives.reduce_scatter_copy_in(grads, self.info.world_size, slot, dtype, self.info.device)
             grads.clear()
+            if before != 1:
+                rs_input.div_(before)
             with comm.on(comm.reduce_scatter_stream):
-                output = torch.empty(slot, dtype=self.dtype, device=self.info.device)
+                output = torch.empty(slot, dtype=dtype, device=self.info.device)
                 work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
-                comm.record_collective(phase, self.fqn, "reduce_scatter", rs_input, self.info.group)
-                result = ReduceScatterResult(Pending(work=work, keep_alive=(rs_input,)), output, params, False)
+                nbytes = rs_input.numel() * rs_input.element_size()
+                comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group)
+                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after)
                 if comm.uses_streams:
                     # Stream-ordered: accumulate on the reduce-scatter stream, no host wait.
-                    self._accumulate(result)
-                    result.pending.event = comm.record(comm.reduce_scatter_stream)
+                    self._accumulate(part)
+                    part.pending.event = comm.record(comm.reduce_scatter_stream)
                 else:
-                    result.pending.release_when_done()
-        return result
+                    part.pending.release_when_done()
+        return part
 
     def finish_reduce(self, result: ReduceScatterResult) -> None:
-        """Wait for a reduce-scatter and add its output to the sharded gradients."""
+        """Wait for a reduction and add its output to the sharded gradients."""
         with record_function(f"FSDP::reduce_scatter_wait {self.fqn}"), torch.no_grad():
-            result.pending.wait()
-            result.pending.keep_alive = ()
-            if not result.accumulated:
-                self._accumulate(result)
+            for part in result.parts:
+                part.pending.wait()
+                part.pending.keep_alive = ()
+                if not part.accumulated:
+                    self._accumulate(part)
 
-    def _accumulate(self, result: ReduceScatterResult) -> None:
-        factor = self.info.world_size if self.gradient_divide_factor is None else self.gradient_divide_factor
-        if factor != 1:
-            result.output.div_(factor)
+    def _accumulate(self, part: ReduceScatterPart) -> None:
+        if part.post_divide != 1:
+            part.output.div_(part.post_divide)
         offset = 0
-        for p in result.params:
-            p.accumulate_sharded_grad(result.output.narrow(0, offset, p.shard_numel))
+        for p in part.params:
+            p.accumulate_sharded_grad(part.output.narrow(0, offset, p.shard_numel))
             offset += p.shard_numel
-        result.accumulated = True
+        part.accumulated = True

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from .comm import CommContext
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
+from .policy import MixedPrecisionPolicy
 from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
 
 
@@ -98,12 +99,22 @@ class RootContext:
     def reset(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
         if self.pending_reduce is not None:
-            self.pending_reduce[1].pending.wait()  # let the collective land before dropping its buffers
+            for part in self.pending_reduce[1].parts:
+                part.pending.wait()  # let the collective land before dropping its buffers
             self.pending_reduce = None
         for state in self.states:
             state.reset()
         self.post_forward_order.clear()
         self.final_callback_queued = False
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in ``tree`` to ``dtype`` (differentiably)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    return tree_map_only(torch.Tensor, cast, tree)
 
 
 def _is_int_setting(value: object) -> bool:
@@ -150,10 +161,12 @@ class FSDPState:
         group: Optional[FSDPParamGroup],
         info: MeshInfo,
         reshard_after_forward: Union[bool, int, None],
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     ) -> None:
         self.modules = modules
         self.group = group
         self.info = info
+        self.mp_policy = mp_policy
         self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
         self.reshard_after_forward: Union[bool, int] = True if reshard_after_forward is None else reshard_after_forward
         self.ctx: Optional[RootContext] = None
@@ -222,6 +235,9 @@ class FSDPState:
         if self.is_root:
             args, kwargs = self._move_inputs(args, kwargs)
             after = self._start_iteration()
+        mp = self.mp_policy
+        if mp.cast_forward_inputs and mp.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
         if group is None:
             return args, kwargs
@@ -261,6 +277,8 @@ class FSDPState:
         return event
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
         group = self.group
         if group is None:
             return output
