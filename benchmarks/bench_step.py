@@ -17,6 +17,7 @@ model (examples/train_llama.py defaults), same seed, same data, in one run:
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
 Options: --rounds R --steps-per-round K --warmup W --dim D --layers L --batch B --seq-len S --out FILE
+         --param-dtype {fp32,bf16}
 """
 
 from __future__ import annotations
@@ -61,22 +62,29 @@ class Impl:
         return model.cfg
 
 
-def build(name: str, cfg: LlamaConfig) -> Impl:
+PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def build(name: str, cfg: LlamaConfig, param_dtype: str = "fp32") -> Impl:
     torch.manual_seed(0)
     model = Llama(cfg)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dtype = PARAM_DTYPES[param_dtype]
     if name == "ours":
-        from fully_shard import fully_shard
+        from fully_shard import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     elif name == "torch_fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+        torch_mp = TorchMP(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for layer in model.layers:
-            torch_fully_shard(layer, mesh=mesh)
-        torch_fully_shard(model, mesh=mesh)
+            torch_fully_shard(layer, mesh=mesh, mp_policy=torch_mp)
+        torch_fully_shard(model, mesh=mesh, mp_policy=torch_mp)
     elif name == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
@@ -147,7 +155,7 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> int:
 def measure_memory(names: list[str], cfg: LlamaConfig, args: argparse.Namespace) -> dict[str, tuple[int, int]]:
     """One implementation alive at a time, so resident memory is its own."""
     for name in names:  # first use of each code path allocates process-wide state: pay it up front
-        impl = build(name, cfg)
+        impl = build(name, cfg, args.param_dtype)
         impl.step(0, args)
         comm_bytes(impl, args)
         del impl
@@ -155,7 +163,7 @@ def measure_memory(names: list[str], cfg: LlamaConfig, args: argparse.Namespace)
     out = {}
     for name in names:
         before_model = resident_bytes()
-        impl = build(name, cfg)
+        impl = build(name, cfg, args.param_dtype)
         impl.step(0, args)  # warm: optimizer state exists, lazy init done
         impl.step(1, args)
         out[name] = (peak_step_bytes(impl, args, before_model), comm_bytes(impl, args))
@@ -182,6 +190,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
+    p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
+                   help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -189,11 +199,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LlamaConfig(vocab_size=1024, dim=args.dim, n_layers=args.layers, n_heads=4,
                       hidden_dim=int(args.dim * 8 / 3), max_seq_len=args.seq_len)
-    names = ["ours", "torch_fsdp2", "ddp"]
+    names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]
 
     memory = measure_memory(names, cfg, args)
 
-    impls = [build(name, cfg) for name in names]
+    impls = [build(name, cfg, args.param_dtype) for name in names]
     for impl in impls:
         for s in range(args.warmup):
             impl.step(s, args)
@@ -216,7 +226,7 @@ def main() -> None:
     if rank == 0:
         ours = medians["ours"]
         lines = [
-            f"world {world}, CPU/gloo, Llama dim {args.dim}, {args.layers} blocks, vocab {cfg.vocab_size}, "
+            f"world {world}, CPU/gloo, {args.param_dtype} params, Llama dim {args.dim}, {args.layers} blocks, vocab {cfg.vocab_size}, "
             f"global batch {args.batch}x{args.seq_len}; {args.rounds} interleaved rounds x {args.steps_per_round} steps, "
             f"torch {torch.__version__}",
             "",

@@ -57,7 +57,8 @@ def test_all_gather_layout_round_trips():
     outputs = []
     for rank in range(world_size):
         _, out = collectives.all_gather_copy_in(shards[rank], world_size, rank, torch.float32, torch.device("cpu"))
-        outputs.append(out.view(world_size, -1)[rank].clone())
+        assert out.dtype == torch.uint8  # the all-gather moves bytes
+        outputs.append(out.view(torch.float32).view(world_size, -1)[rank].clone())
     gathered = torch.stack(outputs).view(-1)  # what the all-gather would produce
     outs = [torch.empty(world_size, s[0].numel()) for s in zip(*shards)]
     collectives.all_gather_copy_out(gathered, world_size, outs)

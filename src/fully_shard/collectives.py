@@ -22,15 +22,18 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def all_gather_copy_in(
     inputs: Sequence[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the ``(W * S,)`` all-gather output and copy this rank's shards into its own slot.
+    """Allocate the all-gather output (``W * S`` elements of ``dtype``, held as bytes) and copy
+    this rank's inputs into its own slot, casting them to ``dtype`` on the way (no temporaries).
 
-    Returns ``(input, output)``; the input is a view of the output (an in-place all-gather), so
-    copy-in costs one buffer, not two.
+    Returns ``(input, output)`` as byte tensors; the input is a view of the output (an in-place
+    all-gather), so copy-in costs one buffer, not two.
     """
     slot = sum(t.numel() for t in inputs)
-    output = torch.empty(world_size * slot, dtype=dtype, device=device)
-    ag_input = output.narrow(0, rank * slot, slot)
-    torch.cat(list(inputs), out=ag_input)
+    nbytes = slot * dtype.itemsize
+    output = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
+    ag_input = output.narrow(0, rank * nbytes, nbytes)
+    views = ag_input.view(dtype).split([t.numel() for t in inputs])
+    torch._foreach_copy_(list(views), [t.reshape(-1) for t in inputs])
     return ag_input, output
 
 
@@ -54,10 +57,7 @@ def reduce_scatter_copy_in(
     ``slot`` is ``S``: the padded shard sizes of these gradients' parameters, summed.
     """
     flat = torch.empty(world_size, slot, dtype=dtype, device=device)
-    if all(g.dtype == dtype for g in grads):
-        torch._chunk_cat(list(grads), dim=0, num_chunks=world_size, out=flat)
-    else:
-        torch._chunk_cat([g.to(dtype) for g in grads], dim=0, num_chunks=world_size, out=flat)
+    torch._chunk_cat(list(grads), dim=0, num_chunks=world_size, out=flat)  # casts into ``dtype``
     return flat.view(-1)
 
 

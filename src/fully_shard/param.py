@@ -143,9 +143,13 @@ class FSDPParam:
     # -- all-gather side -------------------------------------------------------------------------
 
     def all_gather_input(self) -> torch.Tensor:
-        """This rank's padded shard in ``param_dtype``, as bytes (the all-gather moves bytes, so
-        parameters of different dtypes share one collective). The cast to a lower precision
-        happens here, so the collective moves the low-precision bytes."""
+        """This rank's padded shard, flat, in its original dtype: copy-in casts it to the group's
+        all-gather dtype in place."""
+        return self.padded_shard.view(-1)
+
+    def all_gather_input_bytes(self) -> torch.Tensor:
+        """The same in ``param_dtype`` as bytes, for a group whose parameters have several
+        all-gather dtypes: one byte all-gather carries them all (a cast here costs a temporary)."""
         shard = self.padded_shard.view(-1)
         if self.param_dtype != self.dtype:
             shard = shard.to(self.param_dtype)

@@ -147,14 +147,18 @@ class FSDPParamGroup:
             # Gather back from the smaller group's shares; they came from the last full gather,
             # so the gathered versions stay those of that gather.
             assert self.post_forward is not None and self._post_forward_shard is not None
-            inputs = [self._post_forward_shard]
+            inputs, dtype = [self._post_forward_shard], torch.uint8
             world, rank, group = self.post_forward.size, self.post_forward.rank, self.post_forward.group
         else:
             self._gathered_versions = self._shard_versions()
-            inputs = [p.all_gather_input() for p in self.params]
+            dtype = self.all_gather_dtype
+            if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
+                inputs = [p.all_gather_input_bytes() for p in self.params]
+            else:  # one dtype: copy-in casts in place (the common case)
+                inputs = [p.all_gather_input() for p in self.params]
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
-            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, torch.uint8, self.info.device)
+            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
             work = collectives.all_gather(output, ag_input, group, comm.async_op)
             event = comm.record(comm.all_gather_stream)
         comm.record_collective(phase, self.fqn, "all_gather", self.all_gather_dtype, output.numel(), group)
