@@ -108,3 +108,13 @@ def test_importing_does_not_initialise_an_accelerator():
 
     code = "import fully_shard, torch; import sys; sys.exit(int(torch.cuda.is_initialized()))"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("factor", [1, 2, 3, 4, 8, 16, 1000])
+def test_low_precision_divide_split(factor):
+    from fully_shard.param_group import _split_divide_factor
+
+    before, after = _split_divide_factor(float(factor), torch.bfloat16)
+    assert before * after == pytest.approx(factor)
+    assert before >= 1 and before * before <= factor and (before & (before - 1) == 0 if isinstance(before, int) else float(before).is_integer())
+    assert _split_divide_factor(float(factor), torch.float32) == (1.0, float(factor))  # fp32: all after
