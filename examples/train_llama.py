@@ -6,6 +6,7 @@ final norm. Runs on CPU with gloo by default; on GPUs the same command uses NCCL
 device (torchrun sets LOCAL_RANK). Logs per step: loss, tokens/s and this rank's peak memory.
 
 Options: --steps N --batch B (global) --seq-len S --dim D --layers L --device {auto,cpu,cuda}
+         --bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 master weights)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
 
-from fully_shard import fully_shard  # noqa: E402
+from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,6 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--bf16", action="store_true", help="compute and all-gather in bf16, reduce in fp32")
     return p.parse_args()
 
 
@@ -68,14 +70,15 @@ def main() -> None:
     )
     torch.manual_seed(0)  # every rank builds the same model, then keeps its shard
     model = Llama(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else MixedPrecisionPolicy()
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"world {world} on {device.type}: {n_params / 1e6:.2f}M parameters, {args.layers} blocks, "
+        print(f"world {world} on {device.type}{' (bf16 compute)' if args.bf16 else ''}: {n_params / 1e6:.2f}M parameters, {args.layers} blocks, "
               f"global batch {args.batch}x{args.seq_len}", flush=True)
     tokens_per_step = args.batch * args.seq_len
     for step in range(args.steps):
