@@ -13,6 +13,7 @@ import torch.nn as nn
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
 from test_parity import TOL, _mlp_loss, make_mlp, mlp_batch, shard_mlp
+from test_runtime import _nested_mlp_and_reference
 
 
 def _llama(n_layers: int = 3, reshard: bool = True):
@@ -47,20 +48,15 @@ def _accumulate(sync_every: bool, reshard_after_backward: bool) -> dict:
     from fully_shard import debug
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    from fully_shard import fully_shard
-
-    shard_mlp(model, "nested", True, fully_shard)
+    model, ref = _nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     rs_per_microbatch, ag_per_microbatch = [], []
     for step in range(3):
-        x, y = mlp_batch(step)  # 8 rows: 2 per micro-batch
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 7, generator=gen), torch.randn(16, 3, generator=gen)  # 16 rows: 4 micro-batches per rank at world <= 4
         lx, ly = x.chunk(w)[rank], y.chunk(w)[rank]
-        micro = list(zip(lx.chunk(4), ly.chunk(4))) if lx.shape[0] >= 4 else None
-        # Each rank's slice split in 4 (world 4: 2 rows per rank, so split the global batch by rank first).
-        micro = [(lx[i::4], ly[i::4]) for i in range(4)] if micro is None else micro
+        micro = list(zip(lx.chunk(4), ly.chunk(4)))
         for i, (mx, my) in enumerate(micro):
             last = i == len(micro) - 1
             model.set_requires_gradient_sync(sync_every or last)
@@ -341,12 +337,10 @@ def test_failed_backward_is_detected_without_reset(ranks, world_size):
 
 
 def _unsharded_context(writeback: bool) -> dict:
-    from fully_shard import fully_shard, unsharded
+    from fully_shard import unsharded
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    shard_mlp(model, "nested", True, fully_shard)
+    model, ref = _nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = mlp_batch(0)
@@ -396,12 +390,9 @@ def test_unsharded_context(ranks, world_size, writeback):
 def _one_f_one_b() -> dict:
     """Three micro-batch forwards, then their backwards in another order (2, 0, 1), then one
     step: equals one step on the concatenated batch."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    shard_mlp(model, "nested", True, fully_shard)
+    model, ref = _nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
@@ -467,12 +458,9 @@ def test_register_fsdp_forward_method(ranks, world_size):
 
 def _divide_factor() -> dict:
     """Factor 1.0: gradients are the sum over ranks, i.e. world x the reference's average."""
-    from fully_shard import fully_shard
 
     rank, w = world()
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    shard_mlp(model, "nested", True, fully_shard)
+    model, ref = _nested_mlp_and_reference()
     model.set_gradient_divide_factor(1.0)
     model.set_force_sum_reduction_for_comms(True)
     x, y = mlp_batch(0)

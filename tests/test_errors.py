@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fake_world import fake_world
-from fully_shard import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from fully_shard import CPUOffloadPolicy, FSDPModule, fully_shard
 from llama_model import Llama, LlamaConfig
 
 
