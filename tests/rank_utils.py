@@ -20,10 +20,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _unwrapped(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def max_param_diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
-    """Largest absolute difference between a sharded model's full parameters and a reference's."""
-    ours = dict(model.named_parameters())
-    theirs = dict(ref.named_parameters())
+    """Largest absolute difference between a sharded model's full parameters and a reference's
+    (names matched without wrapper prefixes such as checkpoint_wrapper's)."""
+    ours = {_unwrapped(n): p for n, p in model.named_parameters()}
+    theirs = {_unwrapped(n): p for n, p in ref.named_parameters()}
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     return max((full(ours[k]).detach() - theirs[k].detach()).abs().max().item() for k in ours)
 

@@ -117,6 +117,11 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, cast, tree)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward node right now (e.g. a checkpoint recompute)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def _is_int_setting(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -241,6 +246,8 @@ class FSDPState:
         group = self.group
         if group is None:
             return args, kwargs
+        if _in_backward():
+            return self._pre_recompute(group, args, kwargs)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             group.set_phase(TrainingPhase.FORWARD)
             if group.is_stale():
@@ -254,6 +261,18 @@ class FSDPState:
                     target.group.unshard("forward_prefetch")
             if torch.is_grad_enabled() and group.trainable:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
+        return args, kwargs
+
+    def _pre_recompute(self, group: FSDPParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Forward inside backward: activation checkpointing recomputes this module.
+
+        Only make sure the parameters are there (usually they are: this module's pre-backward
+        or a prefetch gathered them). No post-backward signal: the recomputed graph is only a
+        source of saved tensors, its backward never runs; the original forward's signal fires.
+        """
+        with record_function(f"FSDP::pre_recompute {self.fqn}"):
+            group.unshard("backward")
+            group.wait_for_unshard()
         return args, kwargs
 
     def _start_iteration(self) -> Optional[torch.Event]:
@@ -280,7 +299,9 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         group = self.group
-        if group is None:
+        if group is None or _in_backward():
+            # Recompute inside backward: backward needs these parameters next; its own
+            # post-backward reshards them.
             return output
         grad_enabled = torch.is_grad_enabled()
         with record_function(f"FSDP::post_forward {self.fqn}"):
