@@ -64,3 +64,71 @@ def test_activation_checkpointing(ranks, world_size, kind):
         # One all-gather per resharded block in backward, none for the recompute itself; each
         # block reduces as soon as its gradients exist (not at the end of backward).
         assert r["backward_all_gathers"] == 3 and r["block_reduces_in_backward"] == 3, r
+
+
+# -- meta-device init ------------------------------------------------------------------------
+
+
+def _meta_init(how: str) -> dict:
+    """Build on meta, fully_shard, to_empty, then initialise: from rank 0's full state dict
+    (exactly that model on every world size), or with the model's own reset_parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from fully_shard import fully_shard
+    from llama_model import rotary_tables
+    from rank_utils import global_mean, world
+    from test_parity import _train_pair
+
+    rank, w = world()
+    cfg = LlamaConfig(n_layers=2)
+    torch.manual_seed(0)
+    ref = Llama(cfg)  # what rank 0 would load from disk
+    with torch.device("meta"):
+        model = Llama(cfg)
+    for layer in model.layers:
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    model.to_empty(device="cpu")
+    for layer in model.layers:  # non-persistent buffers are the model's to rebuild
+        layer.cos, layer.sin = rotary_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len)
+    if how == "rank0_state_dict":
+        full = ref.state_dict() if rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        exact = all(torch.equal(gathered[k], v) for k, v in ref.state_dict().items()) if rank == 0 else True
+        result = _train_pair(model, ref, llama_batch, _llama_loss, 3, LLAMA_LR)
+        return {**result, "exact": exact}
+    torch.manual_seed(0)
+    model.reset_parameters()
+    with torch.no_grad():
+        for norm in [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]:
+            norm.weight.fill_(1.0)
+    std = model.tok_embeddings.weight.full_tensor().std().item()
+    opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
+    losses = []
+    for step in range(5):
+        x, y = llama_batch(step)
+        loss = _llama_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return {"std": std, "expected_std": cfg.dim ** -0.5, "losses": losses}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_meta_init_from_rank0_full_state_dict(ranks, world_size):
+    for r in ranks(world_size).run(_meta_init, "rank0_state_dict"):
+        assert r["exact"], r
+        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_meta_init_with_reset_parameters(ranks, world_size):
+    import math
+
+    for r in ranks(world_size).run(_meta_init, "reset_parameters"):
+        # DTensor random init draws different numbers than a single process would, so check the
+        # distribution, and that it trains.
+        assert abs(r["std"] / r["expected_std"] - 1) < 0.1, r
+        assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r

@@ -67,17 +67,6 @@ def test_scalar_parameter_refused_with_fix():
         assert _untouched(model)
 
 
-def test_meta_parameter_refused_with_fix():
-    with fake_world(2) as mesh:
-        with torch.device("meta"):
-            model = nn.Linear(4, 4)
-        with pytest.raises(ValueError, match="'weight' is on the meta device.*Fix"):
-            fully_shard(model, mesh=mesh)
-        assert _untouched(model)
-
-
-
-
 def test_bad_options():
     with fake_world(2) as mesh:
         model = nn.Linear(4, 4)

@@ -77,6 +77,17 @@ class FSDPModule:
         if group is not None:
             group.reshard()
 
+    def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``to_empty`` / ``to`` / ``cuda``: nn.Module swaps each DTensor parameter's contents in
+        place; then give the new local shard padded storage the all-gather can read."""
+        self.reshard()
+        result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
+        group = self._get_fsdp_state().group
+        with torch.no_grad():
+            for p in group.params if group is not None else ():
+                p.check_shard_is_ours()
+        return result
+
     # -- run-time knobs --------------------------------------------------------------------------
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:

@@ -135,12 +135,7 @@ def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshI
                 "shape (1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it "
                 "in sync yourself."
             )
-        if param.device.type == "meta":
-            raise ValueError(
-                f"parameter '{fqn}' is on the meta device; this version shards materialised parameters only. "
-                "Fix: build the model on CPU (or the mesh's device) before calling fully_shard."
-            )
-        if not _device_usable(param.device, info.device):
+        if not param.is_meta and not _device_usable(param.device, info.device):
             raise ValueError(
                 f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. "
                 f"Fix: move the module to {info.device} (or to CPU) before fully_shard, or pass a mesh "
@@ -160,5 +155,5 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     for top in modules:
         for module in top.modules():
             for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
+                if buffer is not None and not buffer.is_meta and buffer.device != device:
                     module._buffers[name] = buffer.to(device)

@@ -110,6 +110,8 @@ class FSDPParam:
     def _make_padded_shard(self, full: torch.Tensor) -> torch.Tensor:
         start = self.info.rank * self.rows
         n_local = local_rows(self.shape[0], self.info.world_size, self.info.rank)
+        if full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
+            return torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device="meta")
         padded = torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device=self.info.device)
         # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
         padded[:n_local].copy_(full[start : start + n_local])
@@ -247,22 +249,27 @@ class FSDPParam:
     # -- integrity -------------------------------------------------------------------------------
 
     def check_shard_is_ours(self) -> None:
-        """Re-pad if something replaced the DTensor's local tensor (``param.data = ...``, ``to_empty``).
+        """Re-pad if something replaced the DTensor's local tensor (``module.to_empty``, ``_apply``).
 
         The all-gather reads ``padded_shard``; a local tensor living elsewhere would be silently
-        ignored, so adopt its values instead.
+        ignored, so adopt its values into fresh padded storage and point the DTensor at it.
         """
         local = self.local_shard
-        if local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr():
+        if local.is_meta or (
+            not self.padded_shard.is_meta
+            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
+        ):
             return
         if local.device != self.info.device:
             raise RuntimeError(
-                f"parameter {self.fqn} was moved to {local.device} after fully_shard, but its mesh computes "
-                f"on {self.info.device}. Move the module before calling fully_shard."
+                f"parameter {self.fqn} is on {local.device} after fully_shard, but its mesh computes on "
+                f"{self.info.device}. Fix: move the module before fully_shard, or to_empty(device="
+                f"'{self.info.device}') a meta-initialised one."
             )
-        self.padded_shard = torch.zeros_like(self.padded_shard)
-        self.padded_shard[: local.shape[0]].copy_(local)
-        self.sharded_param._local_tensor = self.padded_shard[: local.shape[0]]  # type: ignore[attr-defined]
+        padded = torch.zeros((self.rows, *self.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]].copy_(local)
+        self.padded_shard = padded
+        self.sharded_param._local_tensor = padded[: local.shape[0]]  # type: ignore[attr-defined]
 
 
 def _numel(shape: torch.Size) -> int:
