@@ -107,3 +107,16 @@ def test_control_surface_bad_input():
                 pass
         with pytest.raises(ValueError, match="int that divides the shard world size 4"):
             fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
+
+
+def test_two_dimensional_mesh_refused_with_fix():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="2-D mesh.*Pass the data-parallel dimension"):
+            fully_shard(model, mesh=mesh)
+        assert _untouched(model)
+        fully_shard(model, mesh=mesh["shard"])  # the 1-D sub-mesh works
+        assert isinstance(model.weight, DTensor)
