@@ -236,17 +236,19 @@ class FSDPState:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.ctx is None:
             self.lazy_init()
+        in_backward = _in_backward()  # activation checkpointing recomputing this module
         after: Optional[torch.Event] = None
         if self.is_root:
             args, kwargs = self._move_inputs(args, kwargs)
-            after = self._start_iteration()
+            if not in_backward:
+                after = self._start_iteration()
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
         if group is None:
             return args, kwargs
-        if _in_backward():
+        if in_backward:
             return self._pre_recompute(group, args, kwargs)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             group.set_phase(TrainingPhase.FORWARD)
