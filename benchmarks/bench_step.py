@@ -6,7 +6,8 @@ model (examples/train_llama.py defaults), same seed, same data, in one run:
 * step time (forward + backward + optimizer step): the three are interleaved round by round, in a
   rotating order, so machine noise hits each alike; medians over every timed step, and the ratio
   of ours to each of the others.
-* per-rank peak memory: the median over 5 steps of the process's resident-memory high-water mark (VmHWM) in a step,
+* per-rank peak memory: the median over 7 fresh builds (rotating order) of the median over 5 steps
+  of the process's resident-memory high-water mark (VmHWM) in a step,
   minus its resident memory before the model was built, so it counts parameters, gradients,
   optimizer state and everything a step allocates (gloo's internal buffers and every thread
   included), with only that implementation alive in the process. glibc's mmap threshold is pinned
@@ -153,24 +154,30 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> int:
 
 
 def measure_memory(names: list[str], cfg: LlamaConfig, args: argparse.Namespace) -> dict[str, tuple[int, int]]:
-    """One implementation alive at a time, so resident memory is its own."""
+    """Peak bytes per implementation (median over ``args.memory_repeats`` fresh builds, taken in
+    a rotating order), with one implementation alive at a time so resident memory is its own."""
     for name in names:  # first use of each code path allocates process-wide state: pay it up front
         impl = build(name, cfg, args.param_dtype)
         impl.step(0, args)
         comm_bytes(impl, args)
         del impl
     set_mmap_threshold(64 * 1024)
-    out = {}
-    for name in names:
-        before_model = resident_bytes()
-        impl = build(name, cfg, args.param_dtype)
-        impl.step(0, args)  # warm: optimizer state exists, lazy init done
-        impl.step(1, args)
-        out[name] = (peak_step_bytes(impl, args, before_model), comm_bytes(impl, args))
-        del impl
-        gc.collect()
+    peaks: dict[str, list[int]] = {name: [] for name in names}
+    comm: dict[str, int] = {}
+    for repeat in range(args.memory_repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        for name in order:
+            before_model = resident_bytes()
+            impl = build(name, cfg, args.param_dtype)
+            impl.step(0, args)  # warm: optimizer state exists, lazy init done
+            impl.step(1, args)
+            peaks[name].append(peak_step_bytes(impl, args, before_model))
+            if name not in comm:
+                comm[name] = comm_bytes(impl, args)
+            del impl
+            gc.collect()
     set_mmap_threshold(32 * 2**20)  # glibc's largest dynamic threshold: fast heap reuse for timing
-    return out
+    return {name: (int(statistics.median(peaks[name])), comm[name]) for name in names}
 
 
 def timed(fn: Callable[[], None]) -> float:
@@ -190,6 +197,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
+    p.add_argument("--memory-repeats", type=int, default=7, help="fresh builds per implementation for the memory median")
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
     args = p.parse_args()
@@ -228,6 +236,7 @@ def main() -> None:
         lines = [
             f"world {world}, CPU/gloo, {args.param_dtype} params, Llama dim {args.dim}, {args.layers} blocks, vocab {cfg.vocab_size}, "
             f"global batch {args.batch}x{args.seq_len}; {args.rounds} interleaved rounds x {args.steps_per_round} steps, "
+            f"memory: median of {args.memory_repeats} builds, "
             f"torch {torch.__version__}",
             "",
             "| implementation | median step (ms) | ours / this | peak memory per rank (MiB) | ours / this | comm per rank per step (MiB) |",
