@@ -132,3 +132,44 @@ def test_meta_init_with_reset_parameters(ranks, world_size):
         # distribution, and that it trains.
         assert abs(r["std"] / r["expected_std"] - 1) < 0.1, r
         assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0], r
+
+
+# -- gradient clipping -------------------------------------------------------------------------
+
+
+def _clip() -> dict:
+    """torch.nn.utils.clip_grad_norm_ over sharded DTensor gradients (one 1-D mesh): the global
+    norm and the clipped training equal the single-process reference."""
+    from fully_shard import fully_shard
+    from rank_utils import max_param_diff, world
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(n_layers=2))
+    ref = copy.deepcopy(model)
+    for layer in model.layers:
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LLAMA_LR)
+    norm_diffs = []
+    for step in range(4):
+        x, y = llama_batch(step)
+        _llama_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        _llama_loss(ref, x, y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"norm_rel_diff": max(norm_diffs), "clipped": ref_norm.item() > 0.5, "param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_clip_grad_norm_over_sharded_gradients(ranks, world_size):
+    for r in ranks(world_size).run(_clip):
+        assert r["clipped"], r  # max_norm is below the real norm: clipping happened
+        assert r["norm_rel_diff"] <= 1e-5 and r["param_diff"] <= TOL, r
