@@ -62,8 +62,6 @@ class FSDPModule:
         attach_active_traces(state._ctx().comm)  # lazy init, so the group knows its streams
         group = state.group
         if group is not None:
-            if group.is_stale():
-                group.reshard()
             group.unshard("explicit")
         handle = UnshardHandle(group)
         if async_op:

@@ -138,8 +138,12 @@ class FSDPParamGroup:
         """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable.
 
         ``phase`` labels the collective in traces; ``after`` is a post-optimizer event the
-        all-gather stream waits for instead of the whole compute stream.
+        all-gather stream waits for instead of the whole compute stream. A copy gathered before a
+        shard changed (an optimizer step after a forward whose backward never ran) is dropped and
+        gathered again: every caller gets current parameters.
         """
+        if self.is_stale():
+            self.reshard()
         if self.is_unsharded or self._all_gather is not None:
             return
         comm = self._comm()

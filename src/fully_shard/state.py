@@ -252,14 +252,10 @@ class FSDPState:
             return self._pre_recompute(group, args, kwargs)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             group.set_phase(TrainingPhase.FORWARD)
-            if group.is_stale():
-                group.reshard()
             group.unshard("forward", after)
             group.wait_for_unshard()
             for target in self.settings.forward_prefetch or ():
                 if target.group is not None:
-                    if target.group.is_stale():
-                        target.group.reshard()
                     target.group.unshard("forward_prefetch")
             if torch.is_grad_enabled() and group.trainable:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)

@@ -47,8 +47,6 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
         attach_active_traces(state._ctx().comm)  # lazy init if the model never ran
     groups = [s.group for s in states if s.group is not None]
     for group in groups:
-        if group.is_stale():
-            group.reshard()
         group.unshard("unsharded_context")
     for group in groups:
         group.wait_for_unshard()
