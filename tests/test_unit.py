@@ -10,7 +10,7 @@ from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, f
 from fully_shard import collectives
 from fully_shard.discovery import _device_usable
 from fully_shard.param import local_rows, rows_per_rank
-from fully_shard.param_group import TrainingPhase, _PHASE_ALLOWED
+from fully_shard.lifecycle import GROUP_STATES, PARAM_STATES, PHASES, TrainingPhase
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
@@ -25,7 +25,6 @@ def test_local_rows_match_torch_chunk(n, world_size):
 
 
 def test_policies_validate():
-    assert MixedPrecisionPolicy().is_noop
     with pytest.raises(ValueError, match="param_dtype"):
         MixedPrecisionPolicy(param_dtype=torch.int32)
     with pytest.raises(ValueError, match="cast_forward_inputs"):
@@ -41,10 +40,12 @@ def test_phase_table_rejects_illegal_moves():
     group = FSDPParamGroup.__new__(FSDPParamGroup)
     group.fqn = "layers.0"
     group.phase = TrainingPhase.POST_BACKWARD
-    with pytest.raises(RuntimeError, match="POST_BACKWARD -> FORWARD"):
+    with pytest.raises(RuntimeError, match="group layers.0: illegal transition POST_BACKWARD -> FORWARD"):
         group.set_phase(TrainingPhase.FORWARD)
-    for phase, allowed in _PHASE_ALLOWED.items():
-        assert phase not in allowed  # staying put is not a transition
+    group.set_phase(TrainingPhase.POST_BACKWARD)  # staying put is always allowed
+    for table in (PHASES, PARAM_STATES, GROUP_STATES):
+        for state, allowed in table.items():
+            assert state not in allowed and allowed <= set(table)
 
 
 def test_all_gather_layout_round_trips():

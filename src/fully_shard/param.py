@@ -30,29 +30,15 @@ do not bump the version autograd recorded when it saved the parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum, auto
 from typing import Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
-
-
-class ShardedState(Enum):
-    SHARDED = auto()
-    UNSHARDED = auto()
-    # Groups only (reshard_after_forward=int): between forward and backward, sharded over a
-    # smaller group. Parameters themselves are SHARDED then (modules see the shards).
-    SHARDED_POST_FORWARD = auto()
-
-
-_ALLOWED = {
-    ShardedState.SHARDED: {ShardedState.UNSHARDED},
-    ShardedState.UNSHARDED: {ShardedState.SHARDED},
-}
 
 
 @dataclass(frozen=True)
@@ -157,10 +143,6 @@ class FSDPParam:
             shard = shard.to(self.param_dtype)
         return shard.view(torch.uint8)
 
-    @property
-    def all_gather_nbytes(self) -> int:
-        """Bytes this parameter contributes to each rank's all-gather slot."""
-        return self.shard_numel * self.param_dtype.itemsize
 
     @property
     def shard_version(self) -> int:
@@ -198,9 +180,7 @@ class FSDPParam:
     # -- state transitions -----------------------------------------------------------------------
 
     def _transition(self, to: ShardedState) -> None:
-        if to not in _ALLOWED[self.state]:
-            raise RuntimeError(f"FSDPParam {self.fqn}: illegal transition {self.state.name} -> {to.name}")
-        self.state = to
+        self.state = advance(PARAM_STATES, self.state, to, f"parameter {self.fqn}")
 
     def to_unsharded(self) -> None:
         """Point the module at the unsharded parameter (its data must already be copied out)."""

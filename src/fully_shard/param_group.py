@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum, auto
 from typing import Optional
 
 import torch
@@ -18,32 +17,8 @@ from torch.profiler import record_function
 from . import collectives
 from .comm import CommContext, Pending
 from .mesh import MeshInfo, PostForwardGroup
-from .param import FSDPParam, ShardedState
-
-
-class TrainingPhase(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
-
-
-# FORWARD from PRE_BACKWARD: activation checkpointing recomputes forward inside backward.
-# POST_BACKWARD from IDLE/FORWARD: the end-of-backward callback finishes groups whose
-# pre-backward hook never fired (their outputs did not reach the loss through a hooked tensor).
-_PHASE_ALLOWED: dict[TrainingPhase, set[TrainingPhase]] = {
-    TrainingPhase.IDLE: {TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
-    TrainingPhase.FORWARD: {TrainingPhase.IDLE, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
-    TrainingPhase.PRE_BACKWARD: {TrainingPhase.FORWARD, TrainingPhase.POST_BACKWARD, TrainingPhase.IDLE},
-    TrainingPhase.POST_BACKWARD: {TrainingPhase.IDLE},
-}
-
-
-_GROUP_STATES_ALLOWED: dict[ShardedState, set[ShardedState]] = {
-    ShardedState.SHARDED: {ShardedState.UNSHARDED},
-    ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD},
-    ShardedState.SHARDED_POST_FORWARD: {ShardedState.UNSHARDED, ShardedState.SHARDED},
-}
+from .lifecycle import GROUP_STATES, PHASES, ShardedState, TrainingPhase, advance
+from .param import FSDPParam
 
 
 @dataclass
@@ -99,30 +74,14 @@ class FSDPParamGroup:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
 
     def _set_sharded_state(self, to: ShardedState) -> None:
-        if to is self.sharded_state:
-            return
-        if to not in _GROUP_STATES_ALLOWED[self.sharded_state]:
-            raise RuntimeError(
-                f"fully_shard group {self.fqn or '<root>'}: illegal transition {self.sharded_state.name} -> {to.name}"
-            )
-        self.sharded_state = to
+        self.sharded_state = advance(GROUP_STATES, self.sharded_state, to, f"group {self.fqn or '<root>'}")
 
     def set_phase(self, phase: TrainingPhase) -> None:
-        if phase is self.phase:
-            return
-        if phase not in _PHASE_ALLOWED[self.phase]:
-            raise RuntimeError(
-                f"fully_shard group {self.fqn or '<root>'}: illegal phase change {self.phase.name} -> {phase.name}"
-            )
-        self.phase = phase
+        self.phase = advance(PHASES, self.phase, phase, f"group {self.fqn or '<root>'}")
 
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
-
-    @property
-    def all_gather_in_flight(self) -> bool:
-        return self._all_gather is not None
 
     def _comm(self) -> CommContext:
         if self.comm is None:

@@ -45,10 +45,6 @@ class MixedPrecisionPolicy:
                 f"MixedPrecisionPolicy.cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}."
             )
 
-    @property
-    def is_noop(self) -> bool:
-        return self.param_dtype is None and self.reduce_dtype is None and self.output_dtype is None
-
 
 @dataclass(frozen=True)
 class OffloadPolicy:

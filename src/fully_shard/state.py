@@ -30,7 +30,8 @@ from .comm import CommContext
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
-from .param_group import FSDPParamGroup, ReduceScatterResult, TrainingPhase
+from .lifecycle import TrainingPhase
+from .param_group import FSDPParamGroup, ReduceScatterResult
 
 
 class RootContext:
