@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fake_world import fake_world
 from fully_shard import CPUOffloadPolicy, FSDPModule, fully_shard
@@ -109,14 +109,27 @@ def test_control_surface_bad_input():
             fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3)
 
 
-def test_two_dimensional_mesh_refused_with_fix():
+def test_three_dimensional_mesh_refused_with_fix():
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_world(4):
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
         model = nn.Linear(4, 4)
-        with pytest.raises(ValueError, match="2-D mesh.*Pass the data-parallel dimension"):
+        with pytest.raises(ValueError, match="3-D mesh.*Pass the data-parallel dimensions"):
             fully_shard(model, mesh=mesh)
         assert _untouched(model)
-        fully_shard(model, mesh=mesh["shard"])  # the 1-D sub-mesh works
-        assert isinstance(model.weight, DTensor)
+        fully_shard(model, mesh=mesh["replicate", "shard"])  # the 2-D (HSDP) sub-mesh works
+        assert isinstance(model.weight, DTensor) and model.weight.placements == (Replicate(), Shard(0))
+
+
+def test_bad_shard_placement_fn_refused_before_anything_changes():
+    with fake_world(2) as mesh:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with pytest.raises(ValueError, match=r"returned Replicate\(\) for parameter '0.weight'.*Shard\(dim\) or None"):
+            fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Replicate())
+        assert _untouched(model)
+        with pytest.raises(ValueError, match=r"Shard\(2\) for parameter '0.weight' of shape \(4, 4\)"):
+            fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(2))
+        assert _untouched(model)
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None)
+        assert model[0].weight.placements == (Shard(1),) and model[0].bias.placements == (Shard(0),)

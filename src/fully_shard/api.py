@@ -8,8 +8,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
-from .discovery import check_params, claim_originals, find_params, is_sharded_module, move_buffers
+from .discovery import check_params, claim_originals, find_params, is_sharded_module, move_buffers, shard_dim_for
 from .mesh import MeshInfo, check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -128,6 +129,15 @@ class FSDPModule:
             if state.group is not None:
                 state.group.gradient_divide_factor = float(factor)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters within the shard group but defers the all-reduce across
+        replicas; the partial sums wait on the parameters until a backward with ``True`` all-reduces
+        them once (gradient accumulation with less inter-replica traffic). No effect on a 1-D mesh."""
+        for state in self._fsdp_states(recurse):
+            value = _check_bool("requires_all_reduce", requires_all_reduce)
+            if state.group is not None:
+                state.group.requires_all_reduce = value
+
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """Accepted for API parity: this library always reduces with SUM and divides itself, so
         the collectives use sum-type reductions whatever this is set to."""
@@ -208,6 +218,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (dim-0, one group per call).
 
@@ -215,14 +226,18 @@ def fully_shard(
     call are left to it. A list of modules forms one group that communicates together.
 
     Args:
-        mesh: a 1-D ``DeviceMesh``; default: every rank of the default process group, on the
-            current accelerator if there is one, else CPU.
+        mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP: parameters
+            are ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard
+            group, then all-reduced across replicas). Default: every rank of the default process
+            group, on the current accelerator if there is one, else CPU.
         reshard_after_forward: free the unsharded parameters after forward (and all-gather again
             for backward). ``None``: ``True``, except for the root, which keeps them. An ``int``
             ``k`` dividing the shard world size: after forward keep the parameters sharded over
             groups of ``k`` consecutive ranks (e.g. one node), so backward all-gathers within them.
         mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy`.
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
+        shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
+            (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
 
     Returns the module (or list), whose class now also derives from `FSDPModule`.
     """
@@ -234,9 +249,10 @@ def fully_shard(
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found, info)
+    shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found]
     # Every check has passed; from here on nothing raises on user input.
     claim_originals(found)
-    params = [FSDPParam(param, places, info, mp_policy) for param, places in found]
+    params = [FSDPParam(param, places, info, mp_policy, dim) for (param, places), dim in zip(found, shard_dims)]
     group = FSDPParamGroup(params, info, fqn="") if params else None
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy)

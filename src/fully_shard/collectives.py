@@ -67,3 +67,9 @@ def reduce_scatter(
     # SUM, then divide by the world size ourselves: gloo has no AVG for every dtype, and the
     # division point is where low-precision reductions will need control.
     return _reduce_scatter_flat(output, rs_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """HSDP: sum the replicas' reduce-scatter outputs. Synchronous on CPU (it runs when the
+    reduce-scatter is waited for); stream-ordered on accelerators."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -6,11 +6,11 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 from __future__ import annotations
 
 import weakref
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .mesh import MeshInfo
@@ -157,3 +157,27 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
             for name, buffer in module._buffers.items():
                 if buffer is not None and not buffer.is_meta and buffer.device != device:
                     module._buffers[name] = buffer.to(device)
+
+
+def shard_dim_for(
+    param: nn.Parameter, fqn: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]
+) -> int:
+    """The dim ``shard_placement_fn`` chose for ``param`` (0 without one), checked."""
+    if shard_placement_fn is None:
+        return 0
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"shard_placement_fn returned {placement!r} for parameter '{fqn}'; it must return Shard(dim) "
+            "or None (None shards on dim 0)."
+        )
+    ndim = param.dim()
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
+        raise ValueError(
+            f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of shape "
+            f"{tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]."
+        )
+    return dim

@@ -8,17 +8,39 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The shard dimension of a mesh: its process group, size and this rank's index in it."""
+    """The data-parallel mesh of one ``fully_shard`` call.
+
+    ``group``/``world_size``/``rank`` describe the shard dimension (the last mesh dim). On a 2-D
+    HSDP mesh ``(replicate, shard)`` the first dimension holds replicas: ``replicate_group`` is
+    the process group gradients are all-reduced over after the reduce-scatter.
+    """
 
     mesh: DeviceMesh
     group: dist.ProcessGroup
     world_size: int
     rank: int
     device: torch.device
+    replicate_group: Optional[dist.ProcessGroup] = None
+    replicate_size: int = 1
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: replicas times shards (the default gradient divisor)."""
+        return self.replicate_size * self.world_size
+
+    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
+        shard = Shard(shard_dim)
+        return (Replicate(), shard) if self.is_hsdp else (shard,)
 
 
 def default_device_type() -> str:
@@ -53,18 +75,22 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
     mesh = default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; this version shards over "
-            "a 1-D mesh. Pass the data-parallel dimension, e.g. mesh['dp']."
+            f"fully_shard got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; it shards over a 1-D mesh "
+            "(FSDP) or a 2-D (replicate, shard) mesh (HSDP). Pass the data-parallel dimensions, e.g. "
+            "mesh['dp'] or mesh['dp_replicate', 'dp_shard'], and tensor-parallel ones to parallelize_module."
         )
-    group = mesh.get_group(0)
+    shard_dim = mesh.ndim - 1
+    hsdp = mesh.ndim == 2
     return MeshInfo(
         mesh=mesh,
-        group=group,
-        world_size=mesh.size(0),
-        rank=mesh.get_local_rank(0),
+        group=mesh.get_group(shard_dim),
+        world_size=mesh.size(shard_dim),
+        rank=mesh.get_local_rank(shard_dim),
         device=mesh_device(mesh),
+        replicate_group=mesh.get_group(0) if hsdp else None,
+        replicate_size=mesh.size(0) if hsdp else 1,
     )
 
 

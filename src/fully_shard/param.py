@@ -22,6 +22,17 @@ Why storage is resized instead of replaced: autograd saves ``unsharded_param`` f
 ``padded_unsharded`` to zero bytes; unsharding resizes it back and copies into it. The tensor
 objects never change, so saved tensors see the new data when backward comes.
 
+Sharding on another dim (``shard_placement_fn`` returning ``Shard(d)``, any size): the shard
+is this rank's ``torch.chunk`` of dim ``d``, a plain contiguous tensor. Collectives still move
+dim 0: the all-gather input is the shard with dim ``d`` moved to the front and padded to
+``rows`` (a temporary), and the gathered rows are moved back into a contiguous unsharded
+tensor with its own storage. Gradients go the other way: dim ``d`` to the front, chunked by
+``torch._chunk_cat``, reduced rows moved back.
+
+Tensor parallelism: a parameter that is already a ``DTensor`` on a TP mesh is sharded as its
+TP-local tensor; the sharded parameter is a DTensor on the joint (dp, tp) mesh, and the
+unsharded one a DTensor on the TP mesh again, as the TP-parallelised module expects.
+
 Why ``unsharded_param`` has its own version counter: it is built with ``set_`` on the shared
 storage rather than as a view of ``padded_unsharded``, so the copy-out writes into the storage
 do not bump the version autograd recorded when it saved the parameter.
@@ -34,7 +45,9 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
@@ -55,6 +68,16 @@ class ParamPlace:
         self.module._parameters[self.name] = tensor  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class TPSpec:
+    """How a tensor-parallel parameter was distributed before ``fully_shard`` saw it."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size  # global (TP) shape
+    stride: tuple[int, ...]
+
+
 def rows_per_rank(dim0: int, world_size: int) -> int:
     return -(-dim0 // world_size)
 
@@ -69,51 +92,90 @@ class FSDPParam:
     """Owns one managed parameter: its shard, its unsharded form and the swap between them."""
 
     def __init__(
-        self, param: nn.Parameter, places: list[ParamPlace], info: MeshInfo, mp: MixedPrecisionPolicy = MixedPrecisionPolicy()
+        self,
+        param: nn.Parameter,
+        places: list[ParamPlace],
+        info: MeshInfo,
+        mp: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+        shard_dim: int = 0,
     ) -> None:
         self.places = places
         self.fqn = places[0].fqn
         self.info = info
         self.requires_grad = param.requires_grad
-        self.shape = param.shape
+        self.tp: Optional[TPSpec] = None
+        data = param.detach()
+        if isinstance(data, DTensor):
+            self.tp = TPSpec(data.device_mesh, tuple(data.placements), data.shape, tuple(data.stride()))
+            data = data.to_local()
+        self.shape = data.shape  # what this library shards: the TP-local shape under TP
         self.dtype = param.dtype  # original dtype: the shard, the optimizer, the sharded .grad
         cast = param.is_floating_point()
         # all-gathered and computed in this dtype; gradients are reduced in reduce_dtype
         self.param_dtype = mp.param_dtype if cast and mp.param_dtype is not None else self.dtype
         self.reduce_dtype = mp.reduce_dtype if cast and mp.reduce_dtype is not None else self.param_dtype
-        self.rows = rows_per_rank(self.shape[0], info.world_size)
-        self.row_numel = _numel(self.shape[1:])
-        self.padded_shard = self._make_padded_shard(param.detach())
-        self.sharded_param = self._make_sharded_param()
+        self.shard_dim = shard_dim
+        n = self.shape[shard_dim]
+        self.rows = rows_per_rank(n, info.world_size)
+        self.n_local = local_rows(n, info.world_size, info.rank)
+        # The shape with the shard dim moved to the front: the layout collectives move.
+        self.moved_shape = torch.Size([n, *self.shape[:shard_dim], *self.shape[shard_dim + 1 :]])
+        self.row_numel = _numel(self.moved_shape[1:])
+        # Dim 0: padded rows owned here, the DTensor's local tensor a view of them (no copy-in
+        # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
+        self.padded_shard: Optional[torch.Tensor] = None
+        self.sharded_param = self._make_sharded_param(self._make_local_shard(data))
         self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
+        self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: reduced over shards, not yet replicas
         self.state = ShardedState.SHARDED
         for place in places:
             place.set(self.sharded_param)
 
     # -- construction -------------------------------------------------------------------------
 
-    def _make_padded_shard(self, full: torch.Tensor) -> torch.Tensor:
-        start = self.info.rank * self.rows
-        n_local = local_rows(self.shape[0], self.info.world_size, self.info.rank)
-        if full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
-            return torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device="meta")
-        padded = torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device=self.info.device)
-        # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
-        padded[:n_local].copy_(full[start : start + n_local])
-        padded[n_local:].zero_()
-        return padded
+    def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a tensor of the unsharded shape (a view)."""
+        start = min(self.info.rank * self.rows, full.shape[self.shard_dim])  # empty shards past the end
+        return full.narrow(self.shard_dim, start, self.n_local)
 
-    def _make_sharded_param(self) -> nn.Parameter:
-        n_local = local_rows(self.shape[0], self.info.world_size, self.info.rank)
-        local = self.padded_shard[:n_local]
+    def _local_shape(self) -> torch.Size:
+        shape = list(self.shape)
+        shape[self.shard_dim] = self.n_local
+        return torch.Size(shape)
+
+    def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
+        device = "meta" if full.is_meta else self.info.device
+        if self.shard_dim != 0:
+            local = torch.empty(self._local_shape(), dtype=self.dtype, device=device)
+            if not full.is_meta:
+                local.copy_(self.local_chunk(full))
+            return local
+        self.padded_shard = torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device=device)
+        if not full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
+            # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
+            self.padded_shard[: self.n_local].copy_(self.local_chunk(full))
+            self.padded_shard[self.n_local :].zero_()
+        return self.padded_shard[: self.n_local]
+
+    def _spec_mesh_and_placements(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        placements = self.info.placements(self.shard_dim)
+        if self.tp is None:
+            return self.info.mesh, placements
+        # TP shards the same dim first: data-parallel chunks live inside each TP chunk.
+        split = 1
+        for p, size in zip(self.tp.placements, self.tp.mesh.shape):
+            if isinstance(p, Shard) and p.dim == self.shard_dim:
+                split *= size
+        if split > 1:
+            placements = (*placements[:-1], _StridedShard(self.shard_dim, split_factor=split))
+        return joint_mesh(self.info.mesh, self.tp.mesh), (*placements, *self.tp.placements)
+
+    def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
+        mesh, placements = self._spec_mesh_and_placements()
+        shape = self.tp.shape if self.tp is not None else self.shape
         dtensor = DTensor.from_local(
-            local,
-            self.info.mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=self.shape,
-            stride=_contiguous_stride(self.shape),
+            local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)
 
@@ -133,16 +195,17 @@ class FSDPParam:
     def all_gather_input(self) -> torch.Tensor:
         """This rank's padded shard, flat, in its original dtype: copy-in casts it to the group's
         all-gather dtype in place."""
-        return self.padded_shard.view(-1)
+        if self.padded_shard is not None:
+            return self.padded_shard.view(-1)
+        return _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.rows, 0, 1).view(-1)
 
     def all_gather_input_bytes(self) -> torch.Tensor:
         """The same in ``param_dtype`` as bytes, for a group whose parameters have several
         all-gather dtypes: one byte all-gather carries them all (a cast here costs a temporary)."""
-        shard = self.padded_shard.view(-1)
+        shard = self.all_gather_input()
         if self.param_dtype != self.dtype:
             shard = shard.to(self.param_dtype)
         return shard.view(torch.uint8)
-
 
     @property
     def shard_version(self) -> int:
@@ -154,10 +217,14 @@ class FSDPParam:
         """
         return self.sharded_param._version + self.local_shard._version
 
-    def alloc_all_gather_output(self) -> torch.Tensor:
-        """Give ``padded_unsharded`` its memory back; return it viewed as ``(W, shard_numel)``
-        (callers view it as bytes for the copy-out)."""
-        numel = self.info.world_size * self.shard_numel
+    def alloc_all_gather_output(self) -> Optional[torch.Tensor]:
+        """Give the unsharded storage its memory back.
+
+        Dim 0: return it viewed as ``(W, shard_numel)``, the all-gather layout (callers view it
+        as bytes for the copy-out). Other dims: the storage is the unsharded tensor itself, not in
+        that layout; return ``None`` and let `copy_out` fill it.
+        """
+        numel = self.info.world_size * self.shard_numel if self.shard_dim == 0 else _numel(self.shape)
         storage = self.padded_unsharded.untyped_storage()
         nbytes = numel * self.padded_unsharded.element_size()
         if storage.size() != nbytes:
@@ -165,15 +232,47 @@ class FSDPParam:
                 self.padded_unsharded = torch.empty(numel, dtype=self.param_dtype, device=self.info.device)
             else:
                 storage.resize_(nbytes)
+        if self.shard_dim != 0:
+            return None
         return self.padded_unsharded.view(self.info.world_size, self.shard_numel)
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded storage from this parameter's ``(W', k * shard_numel)`` slice of an
+        all-gather output (``param_dtype``): ``W' * k`` padded chunks in shard-world order."""
+        world, outer = self.info.world_size, gathered.shape[0]
+        # (W', W / W' chunks, rows, ...) -> (W, rows, ...): a view for the full all-gather; a copy
+        # only when gathering back from reshard_after_forward=int shares.
+        chunks = gathered.view(outer, world // outer, self.rows, *self.moved_shape[1:]).flatten(0, 1)
+        target = self._unsharded_view().movedim(self.shard_dim, 0)
+        n, full = self.moved_shape[0], self.moved_shape[0] // self.rows if self.rows else 0
+        if full:
+            target[: full * self.rows].view(full, self.rows, *self.moved_shape[1:]).copy_(chunks[:full])
+        if full * self.rows < n:
+            target[full * self.rows :].copy_(chunks[full, : n - full * self.rows])
+
+    def gathered_rows(self, first: int, count: int) -> torch.Tensor:
+        """Shard-world rows ``[first, first + count)`` of the gathered parameter, as bytes in the
+        all-gather layout (for ``reshard_after_forward=int``)."""
+        if self.shard_dim == 0:
+            rows = self.padded_unsharded.view(self.info.world_size, -1)[first : first + count]
+            return rows.reshape(-1).view(torch.uint8)
+        moved = self._unsharded_view().movedim(self.shard_dim, 0)
+        return _padded_rows(moved, self.rows, first, count).view(-1).view(torch.uint8)
 
     def free_unsharded(self) -> None:
         self.padded_unsharded.untyped_storage().resize_(0)
 
+    def _unsharded_view(self) -> torch.Tensor:
+        tensor = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
+        return tensor.set_(self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape))
+
     def _ensure_unsharded_param(self) -> nn.Parameter:
         if self.unsharded_param is None:
-            tensor = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
-            tensor.set_(self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape))
+            tensor: torch.Tensor = self._unsharded_view()
+            if self.tp is not None:
+                tensor = DTensor.from_local(
+                    tensor, self.tp.mesh, self.tp.placements, run_check=False, shape=self.tp.shape, stride=self.tp.stride
+                )
             self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
@@ -203,42 +302,64 @@ class FSDPParam:
     # -- gradients -------------------------------------------------------------------------------
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
-        """Remove and return the gradient autograd accumulated on the unsharded parameter."""
+        """Remove the gradient autograd accumulated on the unsharded parameter and return it with
+        the shard dim in front (the layout the reduce-scatter chunks)."""
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
+        if self.tp is not None and isinstance(grad, DTensor):
+            if tuple(grad.placements) != self.tp.placements:
+                grad = grad.redistribute(placements=self.tp.placements)  # e.g. Partial -> Replicate
+            grad = grad.to_local()
         if grad.shape != self.shape:
             raise RuntimeError(f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
-        return grad.contiguous()
+        return grad.movedim(self.shard_dim, 0) if self.shard_dim else grad.contiguous()
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
-        n_local = self.local_shard.shape[0]
-        grad = padded_grad_shard.view(self.rows, *self.shape[1:])[:n_local]
+        grad = padded_grad_shard.view(self.rows, *self.moved_shape[1:])[: self.n_local]
+        if self.shard_dim:
+            grad = grad.movedim(0, self.shard_dim)
         if grad.dtype != self.dtype:
             grad = grad.to(self.dtype)
         existing = self.sharded_param.grad
         if existing is None:
             self.sharded_param.grad = DTensor(  # type: ignore[call-arg]
-                grad, self.sharded_param._spec, requires_grad=False  # type: ignore[attr-defined]
+                grad.contiguous(), self.sharded_param._spec, requires_grad=False  # type: ignore[attr-defined]
             )
         else:
             existing._local_tensor.add_(grad)  # type: ignore[attr-defined]
+
+    def add_partial_reduce(self, reduced: torch.Tensor) -> None:
+        """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""
+        if self.partial_reduce is None:
+            self.partial_reduce = reduced.clone()
+        else:
+            self.partial_reduce.add_(reduced)
+
+    def pop_partial_reduce_into(self, reduced: torch.Tensor) -> None:
+        if self.partial_reduce is not None:
+            reduced.add_(self.partial_reduce)
+            self.partial_reduce = None
+
+    def zero_grad_if_partial(self) -> Optional[torch.Tensor]:
+        """A zero gradient (shard dim in front) when a deferred partial sum waits for a backward
+        that did not touch this parameter: it still has to join the reduction."""
+        if self.partial_reduce is None:
+            return None
+        return torch.zeros(self.moved_shape, dtype=self.param_dtype, device=self.info.device)
 
     # -- integrity -------------------------------------------------------------------------------
 
     def check_shard_is_ours(self) -> None:
         """Re-pad if something replaced the DTensor's local tensor (``module.to_empty``, ``_apply``).
 
-        The all-gather reads ``padded_shard``; a local tensor living elsewhere would be silently
-        ignored, so adopt its values into fresh padded storage and point the DTensor at it.
+        The dim-0 all-gather reads ``padded_shard``; a local tensor living elsewhere would be
+        silently ignored, so adopt its values into fresh padded storage and point the DTensor at it.
         """
         local = self.local_shard
-        if local.is_meta or (
-            not self.padded_shard.is_meta
-            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
-        ):
+        if local.is_meta:
             return
         if local.device != self.info.device:
             raise RuntimeError(
@@ -246,10 +367,37 @@ class FSDPParam:
                 f"{self.info.device}. Fix: move the module before fully_shard, or to_empty(device="
                 f"'{self.info.device}') a meta-initialised one."
             )
+        if self.shard_dim != 0:
+            return  # the all-gather reads the local tensor itself
+        if (
+            self.padded_shard is not None
+            and not self.padded_shard.is_meta
+            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
+        ):
+            return
         padded = torch.zeros((self.rows, *self.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]].copy_(local)
         self.padded_shard = padded
         self.sharded_param._local_tensor = padded[: local.shape[0]]  # type: ignore[attr-defined]
+
+
+def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The (dp..., tp) mesh two slices of one parent mesh span together."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([dp_mesh, tp_mesh])
+    names = (*(dp_mesh.mesh_dim_names or ()), *(tp_mesh.mesh_dim_names or ()))
+    return dp_mesh._get_root_mesh()[names]
+
+
+def _padded_rows(moved: torch.Tensor, rows: int, first: int, count: int) -> torch.Tensor:
+    """Chunks ``[first, first + count)`` of ``moved`` (chunked by ``rows`` on dim 0), each padded
+    with zeros to ``rows``: a new contiguous ``(count * rows, *rest)`` tensor."""
+    out = moved.new_zeros((count * rows, *moved.shape[1:]))
+    start = min(first * rows, moved.shape[0])
+    stop = min((first + count) * rows, moved.shape[0])
+    out[: stop - start].copy_(moved[start:stop])
+    return out
 
 
 def _numel(shape: torch.Size) -> int:

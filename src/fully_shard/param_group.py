@@ -29,6 +29,7 @@ class ReduceScatterPart:
     output: torch.Tensor
     params: list[FSDPParam]
     post_divide: float  # what is left to divide by after the collective
+    phase: str = "backward"
     accumulated: bool = False
 
 
@@ -69,6 +70,8 @@ class FSDPParamGroup:
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
         self._all_gather_world = info.world_size  # world of the all-gather in flight
+        # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
+        self.requires_all_reduce = True
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
@@ -138,12 +141,32 @@ class FSDPParamGroup:
             pending.wait()
             output = pending.keep_alive[0]
             world = self._all_gather_world
-            outs = [p.alloc_all_gather_output().view(torch.uint8).view(world, -1) for p in self.params]
-            collectives.all_gather_copy_out(output, world, outs)
+            targets = [p.alloc_all_gather_output() for p in self.params]
+            if all(t is not None for t in targets):  # every parameter sharded on dim 0: one copy
+                outs = [t.view(torch.uint8).view(world, -1) for t in targets]  # type: ignore[union-attr]
+                collectives.all_gather_copy_out(output, world, outs)
+            else:
+                self._copy_out_each(output, world, targets)
         for p in self.params:
             p.to_unsharded()
         self._post_forward_shard = None
         self._set_sharded_state(ShardedState.UNSHARDED)
+
+    def _copy_out_each(self, output: torch.Tensor, world: int, targets: list[Optional[torch.Tensor]]) -> None:
+        rows = output.view(world, -1)
+        offset = 0
+        for p, target in zip(self.params, targets):
+            nbytes = rows.shape[1] * p.shard_numel * p.param_dtype.itemsize // self._slot_bytes()
+            src = rows[:, offset : offset + nbytes]
+            offset += nbytes
+            if target is not None:
+                target.view(torch.uint8).view(world, -1).copy_(src)
+            else:
+                p.copy_out(src.view(p.param_dtype))
+
+    def _slot_bytes(self) -> int:
+        """Bytes per rank in a full all-gather of this group."""
+        return sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
 
     def _shard_versions(self) -> tuple[int, ...]:
         return tuple(p.shard_version for p in self.params)
@@ -175,10 +198,7 @@ class FSDPParamGroup:
         size, pos = self.post_forward.size, self.post_forward.rank
         rows = self.info.world_size // size  # shard-world rows each member of the smaller group keeps
         with torch.no_grad():
-            self._post_forward_shard = torch.cat(
-                [p.padded_unsharded.view(torch.uint8).view(self.info.world_size, -1)[pos * rows : (pos + 1) * rows].reshape(-1)
-                 for p in self.params]
-            )
+            self._post_forward_shard = torch.cat([p.gathered_rows(pos * rows, rows) for p in self.params])
         for p in self.params:
             p.to_sharded()
         self._set_sharded_state(ShardedState.SHARDED_POST_FORWARD)
@@ -194,6 +214,8 @@ class FSDPParamGroup:
             params, grads = [], []
             for p in self.trainable if sync else ():
                 grad = p.take_unsharded_grad()
+                if grad is None and self.requires_all_reduce:
+                    grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
                 if grad is not None:
                     params.append(p)
                     grads.append(grad)
@@ -206,6 +228,7 @@ class FSDPParamGroup:
     def discard_unsharded_grads(self) -> None:
         for p in self.trainable:
             p.take_unsharded_grad()
+            p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
 
     def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str) -> ReduceScatterResult:
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
@@ -221,7 +244,7 @@ class FSDPParamGroup:
     ) -> ReduceScatterPart:
         comm = self._comm()
         slot = sum(p.shard_numel for p in params)
-        factor = self.info.world_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        factor = self.info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
         before, after = _split_divide_factor(factor, dtype)
         with torch.no_grad():
             # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
@@ -235,10 +258,10 @@ class FSDPParamGroup:
                 work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
                 nbytes = rs_input.numel() * rs_input.element_size()
                 comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group)
-                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after)
+                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after, phase)
                 if comm.uses_streams:
-                    # Stream-ordered: accumulate on the reduce-scatter stream, no host wait.
-                    self._accumulate(part)
+                    # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
+                    self._after_reduce_scatter(part, phase)
                     part.pending.event = comm.record(comm.reduce_scatter_stream)
                 else:
                     part.pending.release_when_done()
@@ -251,7 +274,29 @@ class FSDPParamGroup:
                 part.pending.wait()
                 part.pending.keep_alive = ()
                 if not part.accumulated:
-                    self._accumulate(part)
+                    self._after_reduce_scatter(part, part.phase)
+
+    def _after_reduce_scatter(self, part: ReduceScatterPart, phase: str) -> None:
+        """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
+        backward's partial sum for later when the all-reduce is deferred. Then accumulate."""
+        if self.info.is_hsdp:
+            assert self.info.replicate_group is not None
+            if not self.requires_all_reduce:
+                offset = 0
+                for p in part.params:
+                    p.add_partial_reduce(part.output.narrow(0, offset, p.shard_numel))
+                    offset += p.shard_numel
+                part.accumulated = True
+                return
+            offset = 0
+            for p in part.params:
+                p.pop_partial_reduce_into(part.output.narrow(0, offset, p.shard_numel))
+                offset += p.shard_numel
+            comm = self._comm()
+            nbytes = part.output.numel() * part.output.element_size()
+            comm.record_collective(phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group)
+            collectives.all_reduce(part.output, self.info.replicate_group)
+        self._accumulate(part)
 
     def _accumulate(self, part: ReduceScatterPart) -> None:
         if part.post_divide != 1:

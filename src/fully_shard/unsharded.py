@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .debug import attach_active_traces
 from .param import FSDPParam
@@ -64,8 +65,9 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
 def _write_back(p: FSDPParam) -> None:
     unsharded = p.unsharded_param
     assert unsharded is not None
-    local = p.local_shard
-    start = p.info.rank * p.rows
-    # In place into the DTensor's local view (padded_shard's storage): its version counter moves,
-    # so no group will use an unsharded copy gathered before the write.
-    local.copy_(unsharded.detach()[start : start + local.shape[0]])
+    full = unsharded.detach()
+    if isinstance(full, DTensor):  # tensor parallel: this rank's TP-local tensor
+        full = full.to_local()
+    # In place into the DTensor's local tensor: its version counter moves, so no group will use
+    # an unsharded copy gathered before the write.
+    p.local_shard.copy_(p.local_chunk(full))
