@@ -1,0 +1,218 @@
+"""Meshes and placements: HSDP on a 2-D (replicate, shard) mesh, and parameters sharded on
+other dims (``shard_placement_fn``), each against a single-process reference on the global
+batch, with the collective trace confirming what ran."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from rank_utils import cpu_mesh, max_param_diff, world
+from test_parity import STEPS, TOL, _check, _mlp_loss, _train_pair, make_mlp, mlp_batch
+
+# (replicate, shard) shapes per world size: every split, the degenerate ones included.
+HSDP_SHAPES = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}
+
+
+def hsdp_mesh(shape: tuple[int, int]):
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _shard_mlp_hsdp(model: nn.Sequential, mesh, shard_fn, **kwargs) -> None:
+    for block in model[:3]:
+        shard_fn(block, mesh=mesh, **kwargs)
+    shard_fn(model, mesh=mesh, **kwargs)
+
+
+# -- HSDP ----------------------------------------------------------------------------------------
+
+
+def _hsdp_parity(shape: tuple[int, int]) -> dict:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import debug, fully_shard
+
+    mesh = hsdp_mesh(shape)
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    theirs = copy.deepcopy(model)
+    _shard_mlp_hsdp(model, mesh, fully_shard)
+    _shard_mlp_hsdp(theirs, mesh, torch_fully_shard)
+    assert all(p.placements == (Replicate(), Shard(0)) for p in model.parameters())
+    with debug.trace() as t:
+        out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS)
+
+    # Same steps through PyTorch's fully_shard on the same mesh: the same numbers.
+    rank, w = world()
+    ours = make_mlp()
+    _shard_mlp_hsdp(ours, mesh, fully_shard)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ours, theirs)]
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        for m, opt in zip((ours, theirs), opts):
+            _mlp_loss(m, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+    out["vs_torch"] = max(
+        (a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters())
+    )
+    out["reduce_scatter_sizes"] = sorted({r.group_size for r in t.select(op="reduce_scatter")})
+    out["all_reduce_sizes"] = sorted({r.group_size for r in t.select(op="all_reduce")})
+    out["per_step"] = [(t.count(op="reduce_scatter", step=s), t.count(op="all_reduce", step=s)) for s in range(STEPS)]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_hsdp_matches_single_process_and_torch(ranks, world_size):
+    for shape in HSDP_SHAPES[world_size]:
+        results = ranks(world_size).run(_hsdp_parity, shape)
+        _check(results, f"hsdp {shape}")
+        for r in results:
+            print(f"hsdp {shape}: vs torch fully_shard {r['vs_torch']:.2e}, per step (RS, AR) {r['per_step'][0]}")
+            assert r["vs_torch"] <= TOL
+            # Every group: a reduce-scatter over the shard ranks, then an all-reduce over the replicas.
+            assert r["reduce_scatter_sizes"] == [shape[1]] and r["all_reduce_sizes"] == [shape[0]]
+            assert all(rs == ar == 4 for rs, ar in r["per_step"])  # 3 blocks + the root
+
+
+def _hsdp_deferred_all_reduce() -> dict:
+    """Two micro-batches; the first defers the all-reduce across replicas. Equals one step on the
+    whole batch, and only the last backward all-reduces."""
+    from fully_shard import debug, fully_shard
+
+    rank, w = world()
+    mesh = hsdp_mesh((2, w // 2))
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    _shard_mlp_hsdp(model, mesh, fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    diffs = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        micro = list(zip(x.chunk(w)[rank].chunk(2), y.chunk(w)[rank].chunk(2)))
+        with debug.trace() as t:
+            for i, (xm, ym) in enumerate(micro):
+                model.set_requires_all_reduce(i == len(micro) - 1)
+                (_mlp_loss(model, xm, ym) / len(micro)).backward()
+        opt.step()
+        opt.zero_grad()
+        _mlp_loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(max_param_diff(model, ref))
+    return {
+        "param_diff": max(diffs),
+        "all_reduce": [t.count(op="all_reduce", step=s) for s in (0, 1)],
+        "reduce_scatter": [t.count(op="reduce_scatter", step=s) for s in (0, 1)],
+    }
+
+
+def test_hsdp_deferred_all_reduce_accumulates_exactly(ranks):
+    for r in ranks(4).run(_hsdp_deferred_all_reduce):
+        print(r)
+        assert r["param_diff"] <= TOL
+        assert r["reduce_scatter"] == [4, 4] and r["all_reduce"] == [0, 4]
+
+
+# -- shard_placement_fn ------------------------------------------------------------------------
+
+
+class Experts(nn.Module):
+    """A 3-D expert weight ``(experts, d_in, d_out)``, the shape MoE layers shard on dim 1."""
+
+    def __init__(self, n: int = 3, d_in: int = 6, d_out: int = 5) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, d_in, d_out) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bi,nio->bo", x, self.w[:, : x.shape[1]])
+
+
+def make_placed_model() -> nn.Sequential:
+    """Dims chosen so no shard dim divides by 2 or 4 (uneven chunks, some empty at world 4)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 6)),
+        nn.Sequential(Experts(3, 6, 5), nn.Tanh()),
+        nn.Linear(5, 3),
+    )
+
+
+def _by_shape(param: nn.Parameter):
+    # 2-D weights on dim 1, the experts on dim 1 of 3, biases stay on dim 0.
+    return Shard(1) if param.dim() >= 2 else None
+
+
+def _placement_parity(reshard) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fully_shard import fully_shard, unsharded
+
+    model = make_placed_model()
+    ref = copy.deepcopy(model)
+    mesh = cpu_mesh()
+    for block in model[:2]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, shard_placement_fn=_by_shape)
+    fully_shard(model, mesh=mesh, shard_placement_fn=_by_shape)
+    placements = {n: p.placements for n, p in model.named_parameters()}
+    assert placements["1.0.w"] == (Shard(1),) and placements["0.0.weight"] == (Shard(1),)
+    assert placements["0.0.bias"] == (Shard(0),)
+    initial = max_param_diff(model, ref)
+    out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS)
+    out["initial"] = initial
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out["state_dict_diff"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    with torch.no_grad(), unsharded(model):
+        out["unsharded_diff"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "world_size,reshard",
+    [(1, True), (1, False), (2, True), (2, False), (4, True), (4, False), (4, 2)],  # int: needs a world it divides
+)
+def test_shard_placement_any_dim_uneven_matches_single_process(ranks, world_size, reshard):
+    results = ranks(world_size).run(_placement_parity, reshard)
+    for r in results:
+        print(f"initial {r['initial']}, full state dict {r['state_dict_diff']:.2e}, unsharded {r['unsharded_diff']:.2e}")
+        assert r["initial"] == 0 and r["state_dict_diff"] <= TOL and r["unsharded_diff"] <= TOL
+    _check(results, f"shard dim 1, reshard={reshard}")
+
+
+def _placement_equals_dim0_in_bf16() -> float:
+    """Dim-1 shards move the same values as dim-0 shards: training in bf16 gives the same model."""
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for fn in (None, _by_shape):
+        model = make_placed_model()
+        model[0][2].to(torch.bfloat16)  # block 0 holds fp32 and bf16 originals: the byte all-gather
+        for block in model[:2]:
+            fully_shard(block, mesh=cpu_mesh(), mp_policy=mp, shard_placement_fn=fn)
+        fully_shard(model, mesh=cpu_mesh(), mp_policy=mp, shard_placement_fn=fn)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        rank, w = world()
+        for step in range(3):
+            x, y = mlp_batch(step)
+            _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank].bfloat16()).backward()
+            opt.step()
+            opt.zero_grad()
+        models.append(model)
+    return max(
+        (a.full_tensor().float() - b.full_tensor().float()).abs().max().item()
+        for a, b in zip(models[0].parameters(), models[1].parameters())
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shard_placement_mixed_precision_equals_dim0(ranks, world_size):
+    diffs = ranks(world_size).run(_placement_equals_dim0_in_bf16)
+    print("dim 1 vs dim 0, bf16:", diffs)
+    assert max(diffs) == 0.0
