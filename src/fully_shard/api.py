@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .discovery import check_params, claim_originals, find_params, is_sharded_module, move_buffers, shard_dim_for
+from .discovery import check_params, find_params, is_sharded_module, move_buffers, register_managed, shard_dim_for
 from .mesh import MeshInfo, check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -22,13 +22,13 @@ from .state import FSDPState
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` makes the unsharded parameters usable."""
 
-    def __init__(self, group: Optional[FSDPParamGroup]) -> None:
-        self._group = group
+    def __init__(self, groups: list[FSDPParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+        for group in self._groups:
+            group.wait_for_unshard()
+        self._groups = []
 
 
 class FSDPModule:
@@ -61,10 +61,9 @@ class FSDPModule:
         """
         state = self._get_fsdp_state()
         attach_active_traces(state._ctx().comm)  # lazy init, so the group knows its streams
-        group = state.group
-        if group is not None:
+        for group in state.groups:  # with the groups of tied parameters it uses
             group.unshard("explicit")
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(list(state.groups))
         if async_op:
             return handle
         handle.wait()
@@ -72,8 +71,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and point it back at its shards."""
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().groups:
             group.reshard()
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -248,14 +246,20 @@ def fully_shard(
     _check_offload(offload_policy, info)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
-    check_params(found, info)
-    shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found]
+    check_params(found.own, info)
+    shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
     # Every check has passed; from here on nothing raises on user input.
-    claim_originals(found)
-    params = [FSDPParam(param, places, info, mp_policy, dim) for (param, places), dim in zip(found, shard_dims)]
+    params = [FSDPParam(param, places, info, mp_policy, dim) for (param, places), dim in zip(found.own, shard_dims)]
+    for (original, _), managed in zip(found.own, params):
+        register_managed(original, managed)
     group = FSDPParamGroup(params, info, fqn="") if params else None
+    borrowed: list[FSDPParamGroup] = []
+    for owner, places in found.borrowed:  # tied to a parameter an earlier call manages
+        owner.add_places(places)
+        if owner.group is not None and owner.group not in borrowed:
+            borrowed.append(owner.group)
     move_buffers(modules, info.device)
-    state = FSDPState(modules, group, info, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed)
     for m in modules:
         _install(m, state)
     return module

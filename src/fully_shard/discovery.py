@@ -6,6 +6,7 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -14,27 +15,39 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .mesh import MeshInfo
-from .param import ParamPlace
+from .param import FSDPParam, ParamPlace
 
 
-# Original parameters some fully_shard call has replaced by shards -> (its module, its FQN there).
-# Why a registry: after fully_shard(embed), a module tied to embed.weight (lm_head) still holds the
-# original tensor, and nothing reachable from lm_head says it was sharded. Sharding it again would
-# silently untie the weights. Keys are weak and compared by identity, so this holds no per-rank
-# state (ranks running as threads never share a tensor) and forgets a tensor when it dies.
-_SHARDED_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Which FSDPParam manages a tensor: every original parameter a fully_shard call replaced (keyed
+# weakly by identity) and every sharded DTensor parameter (keyed by id, the FSDPParam held weakly:
+# a weak reference on the parameter itself would stop `to_empty` from swapping it). Why a
+# registry: after fully_shard(embed), a module tied to embed.weight (lm_head) still holds the
+# original tensor, and nothing reachable from lm_head says it was sharded; sharding it again would
+# silently untie the weights. A later call that meets such a tensor borrows the owner's parameter
+# instead. Everything is weak, so this holds no per-rank state (ranks running as threads never
+# share a tensor) and forgets a parameter when it dies.
+_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
 
 
-def claim_originals(found: list[tuple[nn.Parameter, list["ParamPlace"]]]) -> None:
-    for param, places in found:
-        _SHARDED_ORIGINALS[param] = (weakref.ref(places[0].module), places[0].name)
+def register_managed(original: nn.Parameter, managed: FSDPParam) -> None:
+    _ORIGINALS[original] = weakref.ref(managed)
+    _SHARDED[id(managed.sharded_param)] = managed
+
+
+def _manager(param: nn.Parameter) -> Optional[FSDPParam]:
+    managed = _SHARDED.get(id(param))
+    if managed is not None and managed.sharded_param is param:
+        return managed
+    ref = _ORIGINALS.get(param)
+    return ref() if ref is not None else None
 
 
 def is_sharded_module(module: nn.Module) -> bool:
     return "_fsdp_state" in module.__dict__
 
 
-def _walk(module: nn.Module, fqn: str, seen: set[int], inner: list[tuple[nn.Module, str]]) -> Iterator[tuple[nn.Module, str]]:
+def _walk(module: nn.Module, fqn: str, seen: set[int]) -> Iterator[tuple[nn.Module, str]]:
     """Modules this call manages: pre-order, stopping at modules an earlier call already sharded."""
     if id(module) in seen:
         return
@@ -45,32 +58,8 @@ def _walk(module: nn.Module, fqn: str, seen: set[int], inner: list[tuple[nn.Modu
             continue
         child_fqn = f"{fqn}.{name}" if fqn else name
         if is_sharded_module(child):
-            inner.append((child, child_fqn))
             continue
-        yield from _walk(child, child_fqn, seen, inner)
-
-
-def _inner_owners(inner: list[tuple[nn.Module, str]]) -> dict[int, tuple[str, str]]:
-    """id(sharded parameter) -> (owning module's FQN, the parameter's FQN there), for inner calls."""
-    owners: dict[int, tuple[str, str]] = {}
-    for module, module_fqn in inner:
-        group = module.__dict__["_fsdp_state"].group
-        for p in group.params if group is not None else ():
-            owners[id(p.sharded_param)] = (_label(module, module_fqn), f"{module_fqn}.{p.fqn}")
-    return owners
-
-
-def _original_owner(param: nn.Parameter, walked: list[tuple[nn.Module, str]], inner: list[tuple[nn.Module, str]]) -> Optional[tuple[str, str]]:
-    """If an earlier call sharded ``param`` (it is a tied original): (its module's label, the FQN there)."""
-    claim = _SHARDED_ORIGINALS.get(param)
-    if claim is None:
-        return None
-    module_ref, name = claim
-    module = module_ref()
-    for candidate, fqn in [*inner, *walked]:
-        if candidate is module:
-            return _label(module, fqn), f"{fqn}.{name}" if fqn else name
-    return _label(module, ""), name
+        yield from _walk(child, child_fqn, seen)
 
 
 def _label(module: Optional[nn.Module], fqn: str, article: str = "a") -> str:
@@ -82,46 +71,51 @@ def _label(module: Optional[nn.Module], fqn: str, article: str = "a") -> str:
     return f"{article} {cls.__name__}"
 
 
-def find_params(
-    modules: list[nn.Module], module_names: list[str], ignored: set[int]
-) -> list[tuple[nn.Parameter, list[ParamPlace]]]:
-    """The parameters this call manages, each with every place it is registered (ties are one entry)."""
-    found: dict[int, tuple[nn.Parameter, list[ParamPlace]]] = {}
+@dataclass
+class Found:
+    """What one call manages (``own``: each parameter with every place it is registered) and the
+    parameters earlier calls manage that its modules also use (``borrowed``: tied weights)."""
+
+    own: list[tuple[nn.Parameter, list[ParamPlace]]]
+    borrowed: list[tuple[FSDPParam, list[ParamPlace]]]
+
+
+def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[int]) -> Found:
+    own: dict[int, tuple[nn.Parameter, list[ParamPlace]]] = {}
+    borrowed: dict[int, tuple[FSDPParam, list[ParamPlace]]] = {}
     seen: set[int] = set()
-    inner: list[tuple[nn.Module, str]] = []
-    walked = [(m, fqn) for top, name in zip(modules, module_names) for m, fqn in _walk(top, name, seen, inner)]
-    owners = _inner_owners(inner)
+    walked = [(m, fqn) for top, name in zip(modules, module_names) for m, fqn in _walk(top, name, seen)]
+    walked_ids = {id(m) for m, _ in walked}
     for module, module_fqn in walked:
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored:
                 continue
             fqn = f"{module_fqn}.{name}" if module_fqn else name
-            where = _label(module, module_fqn, article="this")
+            place = ParamPlace(module, name, fqn)
+            owner = _manager(param)
+            if owner is not None:
+                if any(id(p.module) in walked_ids for p in owner.places):
+                    _refuse_parent_first(fqn, _label(module, module_fqn, article="this"))
+                borrowed.setdefault(id(owner), (owner, []))[1].append(place)
+                continue
             if isinstance(param, DTensor):
-                _refuse_claimed(fqn, where, owners.get(id(param)))
-            tied_owner = _original_owner(param, walked, inner)
-            if tied_owner is not None:
-                _refuse_claimed(fqn, where, tied_owner)
-            entry = found.setdefault(id(param), (param, []))
-            entry[1].append(ParamPlace(module, name, fqn))
-    return list(found.values())
+                _refuse_foreign_dtensor(fqn, _label(module, module_fqn, article="this"))
+            own.setdefault(id(param), (param, []))[1].append(place)
+    return Found(list(own.values()), list(borrowed.values()))
 
 
-def _refuse_claimed(fqn: str, where: str, owner: tuple[str, str] | None) -> None:
-    """Raise for a parameter another fully_shard call already manages (or a foreign DTensor)."""
-    if owner is not None:
-        owner_module, owner_fqn = owner
-        raise ValueError(
-            f"parameter '{fqn}' (in {where}) is the same tensor as '{owner_fqn}', which an earlier "
-            f"fully_shard call manages in {owner_module}. A parameter tied across two fully_shard calls "
-            "would be sharded twice and silently untied. Fix: put both modules in one call, e.g. "
-            "fully_shard([embedding, output_projection]), or leave both to the enclosing (root) call."
-        )
+def _refuse_parent_first(fqn: str, where: str) -> None:
     raise ValueError(
-        f"parameter '{fqn}' (in {where}) is already a DTensor: another fully_shard call manages it (a "
-        "parameter tied to one sharded earlier, or fully_shard applied to a parent before its children), "
-        "or it was distributed by tensor parallelism, which this version does not compose with. Fix: apply "
-        "fully_shard bottom-up (inner blocks first, the root last) and keep tied parameters inside one call."
+        f"parameter '{fqn}' (in {where}) is already a DTensor managed by an earlier fully_shard call on a "
+        "parent module. Fix: apply fully_shard bottom-up (inner blocks first, the root last)."
+    )
+
+
+def _refuse_foreign_dtensor(fqn: str, where: str) -> None:
+    raise ValueError(
+        f"parameter '{fqn}' (in {where}) is already a DTensor that fully_shard did not make, and it is not "
+        "a tensor-parallel parameter this version can compose with. Fix: apply fully_shard bottom-up to "
+        "plain parameters, or to parameters parallelize_module distributed on a 1-D TP mesh."
     )
 
 

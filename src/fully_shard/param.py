@@ -41,7 +41,7 @@ do not bump the version autograd recorded when it saved the parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn as nn
@@ -52,6 +52,9 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import MixedPrecisionPolicy
+
+if TYPE_CHECKING:
+    from .param_group import FSDPParamGroup
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class FSDPParam:
     ) -> None:
         self.places = places
         self.fqn = places[0].fqn
+        self.group: Optional["FSDPParamGroup"] = None  # set by the group that owns it
         self.info = info
         self.requires_grad = param.requires_grad
         self.tp: Optional[TPSpec] = None
@@ -131,6 +135,14 @@ class FSDPParam:
         self.state = ShardedState.SHARDED
         for place in places:
             place.set(self.sharded_param)
+
+    def add_places(self, places: list[ParamPlace]) -> None:
+        """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it
+        there as well, starting from its current form."""
+        current = self.unsharded_param if self.state is ShardedState.UNSHARDED else self.sharded_param
+        for place in places:
+            self.places.append(place)
+            place.set(current)  # type: ignore[arg-type]
 
     # -- construction -------------------------------------------------------------------------
 

@@ -52,6 +52,8 @@ def _split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, floa
 class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], info: MeshInfo, fqn: str) -> None:
         self.params = params
+        for p in params:
+            p.group = self
         self.trainable = [p for p in params if p.requires_grad]
         self.info = info
         self.fqn = fqn
@@ -70,6 +72,9 @@ class FSDPParamGroup:
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
         self._all_gather_world = info.world_size  # world of the all-gather in flight
+        # States between their pre-forward and post-forward that use these parameters: the owner,
+        # and modules tied to them (`FSDPState.borrowed`). The last one out reshards.
+        self.forward_users: set[int] = set()
         # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
         self.requires_all_reduce = True
 

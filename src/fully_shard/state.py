@@ -16,7 +16,7 @@ Hook map (each hook is a thin adapter to a named method):
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -168,9 +168,14 @@ class FSDPState:
         info: MeshInfo,
         reshard_after_forward: Union[bool, int, None],
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+        borrowed: Sequence[FSDPParamGroup] = (),
     ) -> None:
         self.modules = modules
         self.group = group
+        # Groups of earlier calls whose parameters these modules use too (tied weights): unsharded
+        # around this module's forward and backward; their owner reduces and reshards them.
+        self.borrowed = list(borrowed)
+        self.groups = ([group] if group is not None else []) + self.borrowed
         self.info = info
         self.mp_policy = mp_policy
         self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
@@ -247,22 +252,26 @@ class FSDPState:
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         group = self.group
-        if group is None:
+        if not self.groups:
             return args, kwargs
         if in_backward:
-            return self._pre_recompute(group, args, kwargs)
+            return self._pre_recompute(args, kwargs)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
-            group.set_phase(TrainingPhase.FORWARD)
-            group.unshard("forward", after)
-            group.wait_for_unshard()
+            if group is not None:
+                group.set_phase(TrainingPhase.FORWARD)
+            for g in self.groups:
+                g.unshard("forward", after)
+                g.forward_users.add(id(self))
+            for g in self.groups:
+                g.wait_for_unshard()
             for target in self.settings.forward_prefetch or ():
                 if target.group is not None:
                     target.group.unshard("forward_prefetch")
-            if torch.is_grad_enabled() and group.trainable:
+            if torch.is_grad_enabled() and group is not None and group.trainable:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
 
-    def _pre_recompute(self, group: FSDPParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_recompute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward inside backward: activation checkpointing recomputes this module.
 
         Only make sure the parameters are there (usually they are: this module's pre-backward
@@ -270,8 +279,10 @@ class FSDPState:
         source of saved tensors, its backward never runs; the original forward's signal fires.
         """
         with record_function(f"FSDP::pre_recompute {self.fqn}"):
-            group.unshard("backward")
-            group.wait_for_unshard()
+            for g in self.groups:
+                g.unshard("backward")
+            for g in self.groups:
+                g.wait_for_unshard()
         return args, kwargs
 
     def _start_iteration(self) -> Optional[torch.Event]:
@@ -298,7 +309,7 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         group = self.group
-        if group is None or _in_backward():
+        if not self.groups or _in_backward():
             # Recompute inside backward: backward needs these parameters next; its own
             # post-backward reshards them.
             return output
@@ -308,13 +319,18 @@ class FSDPState:
                 output = self._hook_outputs_for_backward(output)
             if not self._all_members_done(module):
                 return output
-            # Without grad no backward will come for these parameters: keep nothing unsharded.
-            if not grad_enabled or self.reshard_after_forward is True:
-                group.reshard()
-            elif _is_int_setting(self.reshard_after_forward) and group.post_forward is not None:
-                group.reshard_to_post_forward()
-            group.set_phase(TrainingPhase.IDLE)
-            if grad_enabled:
+            for g in self.groups:
+                g.forward_users.discard(id(self))
+                if g.forward_users:
+                    continue  # a module still inside its forward uses these parameters (tied weights)
+                # Without grad no backward will come for these parameters: keep nothing unsharded.
+                if not grad_enabled or self.reshard_after_forward is True:
+                    g.reshard()
+                elif _is_int_setting(self.reshard_after_forward) and g.post_forward is not None:
+                    g.reshard_to_post_forward()
+            if group is not None:
+                group.set_phase(TrainingPhase.IDLE)
+            if grad_enabled and group is not None:
                 self._ctx().post_forward_order.append(self)
         return output
 
@@ -360,13 +376,16 @@ class FSDPState:
         ctx = self._ctx()
         ctx.queue_final_callback()
         group = self.group
-        if group is None:
+        if not self.groups:
             return
         with record_function(f"FSDP::pre_backward {self.fqn}"):
-            group.set_phase(TrainingPhase.PRE_BACKWARD)
+            if group is not None:
+                group.set_phase(TrainingPhase.PRE_BACKWARD)
             if self.settings.unshard_in_backward:
-                group.unshard("backward")  # a no-op when the previous group's backward prefetched it
-                group.wait_for_unshard()
+                for g in self.groups:
+                    g.unshard("backward")  # a no-op when the previous group's backward prefetched it
+                for g in self.groups:
+                    g.wait_for_unshard()
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
             implicit = ctx.backward_prefetch_target(self)
@@ -398,6 +417,8 @@ class FSDPState:
     def reset(self) -> None:
         self._signals_pending = 0
         self._members_done.clear()
+        for g in self.groups:
+            g.forward_users.clear()
         if self.group is not None:
             self.group.reshard()
             self.group.discard_unsharded_grads()

@@ -46,7 +46,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
     states = _states(model)
     for state in states:
         attach_active_traces(state._ctx().comm)  # lazy init if the model never ran
-    groups = [s.group for s in states if s.group is not None]
+    groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
     for group in groups:
         group.unshard("unsharded_context")
     for group in groups:
