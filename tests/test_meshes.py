@@ -216,3 +216,73 @@ def test_shard_placement_mixed_precision_equals_dim0(ranks, world_size):
     diffs = ranks(world_size).run(_placement_equals_dim0_in_bf16)
     print("dim 1 vs dim 0, bf16:", diffs)
     assert max(diffs) == 0.0
+
+
+# -- tensor parallel + fully_shard -------------------------------------------------------------
+
+
+class TPBlock(nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 10) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)  # column-wise: TP-local rows 5, then dp chunks 3 + 2
+        self.down = nn.Linear(hidden, dim)  # row-wise: weight Shard(1), bias Replicate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def make_tp_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 8), TPBlock(), TPBlock(), nn.Linear(8, 3))
+
+
+def _tp_parity(shape: tuple[int, int], reshard: bool) -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fully_shard import fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    model = make_tp_model()
+    ref = copy.deepcopy(model)
+    for block in model[1:3]:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh["dp"])
+    w = model[1].up.weight
+    assert w.device_mesh.mesh_dim_names == ("dp", "tp") and w.placements[1] == Shard(0)
+    assert model[1].down.weight.placements == (Shard(0), Shard(1))
+    out = {"initial": max_param_diff(model, ref)}
+
+    # Data parallel over dp only: the TP ranks of one dp rank see the same batch.
+    dp_rank, dp = mesh.get_local_rank(0), shape[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = mlp_batch(step)
+        loss = _mlp_loss(model, x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _mlp_loss(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=mesh.get_group(0))
+        losses.append(abs(mean.item() / dp - ref_loss.item()))
+    out["loss_diff"], out["param_diff"] = max(losses), max_param_diff(model, ref)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out["state_dict_diff"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("world_size,shape", [(1, (1, 1)), (2, (1, 2)), (2, (2, 1)), (4, (2, 2))])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_tensor_parallel_with_fully_shard_matches_single_process(ranks, world_size, shape, reshard):
+    results = ranks(world_size).run(_tp_parity, shape, reshard)
+    for r in results:
+        assert r["initial"] == 0 and r["state_dict_diff"] <= TOL, r
+    _check(results, f"tp+fsdp {shape} reshard={reshard}")

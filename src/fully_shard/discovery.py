@@ -11,7 +11,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .mesh import MeshInfo
@@ -98,8 +98,6 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
                     _refuse_parent_first(fqn, _label(module, module_fqn, article="this"))
                 borrowed.setdefault(id(owner), (owner, []))[1].append(place)
                 continue
-            if isinstance(param, DTensor):
-                _refuse_foreign_dtensor(fqn, _label(module, module_fqn, article="this"))
             own.setdefault(id(param), (param, []))[1].append(place)
     return Found(list(own.values()), list(borrowed.values()))
 
@@ -111,18 +109,32 @@ def _refuse_parent_first(fqn: str, where: str) -> None:
     )
 
 
-def _refuse_foreign_dtensor(fqn: str, where: str) -> None:
-    raise ValueError(
-        f"parameter '{fqn}' (in {where}) is already a DTensor that fully_shard did not make, and it is not "
-        "a tensor-parallel parameter this version can compose with. Fix: apply fully_shard bottom-up to "
-        "plain parameters, or to parameters parallelize_module distributed on a 1-D TP mesh."
+def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
+    """A DTensor fully_shard did not make: accept it as a tensor-parallel parameter when it lives
+    on another dimension of the data-parallel mesh's parent mesh."""
+    tp_mesh = param.device_mesh
+    rule = (
+        f"parameter '{fqn}' is already a DTensor (placements {tuple(param.placements)} on mesh "
+        f"{tp_mesh.mesh_dim_names or tuple(tp_mesh.shape)}) that fully_shard did not make. fully_shard composes with "
+        "tensor parallelism when the parameter lives on the 'tp' dimension and the fully_shard mesh is the "
+        "'dp' dimension of one parent mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
+        "'tp')); parallelize_module(model, mesh['tp'], plan); fully_shard(model, mesh=mesh['dp'])."
     )
+    if info.is_hsdp:
+        raise ValueError(f"{rule} HSDP together with tensor parallelism is not supported yet: pass a 1-D dp mesh.")
+    same_parent = tp_mesh._get_root_mesh() is info.mesh._get_root_mesh() or tp_mesh._get_root_mesh() == info.mesh._get_root_mesh()
+    if tp_mesh.ndim != 1 or tp_mesh == info.mesh or not same_parent or not tp_mesh.mesh_dim_names or not info.mesh.mesh_dim_names:
+        raise ValueError(f"{rule} Fix: shard plain parameters, or use named sub-meshes of one parent mesh as shown.")
+    if any(not isinstance(p, (Shard, Replicate)) for p in param.placements):
+        raise ValueError(f"{rule} Its placements must be Shard or Replicate, got {tuple(param.placements)}.")
 
 
 def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshInfo) -> None:
     """Refuse parameters this version cannot shard correctly, naming each and the fix."""
     for param, places in found:
         fqn = places[0].fqn
+        if isinstance(param, DTensor):
+            _check_tp_param(param, fqn, info)
         if param.dim() == 0:
             raise ValueError(
                 f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with "
