@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llama_model import Llama, LlamaConfig
 from rank_utils import cpu_mesh
+from rank_utils import world as world_of
 from test_parity import LLAMA_LR, TOL, _llama_loss, _train_pair, llama_batch
 
 
@@ -137,27 +138,54 @@ def test_meta_init_with_reset_parameters(ranks, world_size):
 # -- gradient clipping -------------------------------------------------------------------------
 
 
-def _clip() -> dict:
-    """torch.nn.utils.clip_grad_norm_ over sharded DTensor gradients (one 1-D mesh): the global
-    norm and the clipped training equal the single-process reference."""
-    from fully_shard import fully_shard
+def _clip_meshes(layout: str):
+    """(mesh for the blocks, mesh for the root) per layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _, w = world_of()
+    hsdp = init_device_mesh("cpu", (2, w // 2) if w > 1 else (1, 1), mesh_dim_names=("replicate", "shard"))
+    if layout == "fsdp":
+        return cpu_mesh(), cpu_mesh()
+    if layout == "hsdp":
+        return hsdp, hsdp
+    return hsdp, cpu_mesh()  # "two_meshes": blocks (HSDP) and the rest (FSDP) on different meshes
+
+
+def _clip(layout: str, helper: bool) -> dict:
+    """Clipping over sharded DTensor gradients: the global norm and the clipped training equal
+    the single-process reference. ``helper``: fully_shard.clip_grad_norm_, else the stock one."""
+    from fully_shard import clip_grad_norm_, fully_shard
     from rank_utils import max_param_diff, world
 
     rank, w = world()
     torch.manual_seed(0)
     model = Llama(LlamaConfig(n_layers=2))
     ref = copy.deepcopy(model)
+    block_mesh, root_mesh = _clip_meshes(layout)
     for layer in model.layers:
-        fully_shard(layer, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+        fully_shard(layer, mesh=block_mesh)
+    fully_shard(model, mesh=root_mesh)
+    clip = clip_grad_norm_ if helper else torch.nn.utils.clip_grad_norm_
     opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LLAMA_LR)
     norm_diffs = []
+    stock_error = ""
     for step in range(4):
         x, y = llama_batch(step)
         _llama_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
         _llama_loss(ref, x, y).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        if layout == "two_meshes" and step == 0:
+            try:  # what users hit with the stock function: DTensors on two meshes
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+            except Exception as e:  # noqa: BLE001 - recording which error the stock function raises
+                stock_error = f"{type(e).__name__}: {e}"
+        if helper:  # the inf-norm too: a MAX over the shards instead of a sum
+            from fully_shard.clip import total_norm
+
+            inf = total_norm([p.grad for p in model.parameters()], float("inf")).item()
+            ref_inf = max(p.grad.abs().max().item() for p in ref.parameters())
+            norm_diffs.append(abs(inf - ref_inf) / ref_inf)
+        norm = clip(model.parameters(), max_norm=0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.5)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         norm_diffs.append(abs(norm.item() - ref_norm.item()) / ref_norm.item())
@@ -165,11 +193,21 @@ def _clip() -> dict:
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    return {"norm_rel_diff": max(norm_diffs), "clipped": ref_norm.item() > 0.5, "param_diff": max_param_diff(model, ref)}
+    return {
+        "norm_rel_diff": max(norm_diffs),
+        "clipped": ref_norm.item() > 0.5,
+        "param_diff": max_param_diff(model, ref),
+        "stock_error": stock_error,
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_clip_grad_norm_over_sharded_gradients(ranks, world_size):
-    for r in ranks(world_size).run(_clip):
+@pytest.mark.parametrize("layout,helper", [("fsdp", False), ("fsdp", True), ("hsdp", False), ("hsdp", True), ("two_meshes", True)])
+def test_clip_grad_norm_over_sharded_gradients(ranks, world_size, layout, helper):
+    for r in ranks(world_size).run(_clip, layout, helper):
+        print(f"{layout} helper={helper}: norm rel diff {r['norm_rel_diff']:.1e}, param diff {r['param_diff']:.1e}")
         assert r["clipped"], r  # max_norm is below the real norm: clipping happened
         assert r["norm_rel_diff"] <= 1e-5 and r["param_diff"] <= TOL, r
+        if layout == "two_meshes":
+            print("  stock clip_grad_norm_ on two meshes:", r["stock_error"][:200])
+            assert r["stock_error"], "the stock function handled two meshes: the helper's reason to exist is gone"

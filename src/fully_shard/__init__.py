@@ -1,6 +1,7 @@
 """fully_shard: FSDP2-style sharding of parameters, gradients and optimizer state."""
 
 from . import debug
+from .clip import clip_grad_norm_
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
@@ -16,6 +17,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "UnshardHandle",
+    "clip_grad_norm_",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
