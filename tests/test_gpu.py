@@ -107,3 +107,68 @@ def test_cuda_post_optim_event_keeps_parity(nccl_world):
         ref_opt.step()
         ref_opt.zero_grad()
         assert abs(loss.item() - ref_loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_cuda_cpu_offload_keeps_shards_and_grads_on_host(nccl_world, pin_memory):
+    """CPUOffloadPolicy on CUDA: shards, .grad and optimizer state stay on the host between steps,
+    device memory holds only what is in flight, and training matches the run without offload."""
+    from fully_shard import CPUOffloadPolicy, fully_shard
+
+    torch.manual_seed(0)
+    offloaded = Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=3, hidden_dim=688))  # ~12 MB of fp32
+    plain = copy.deepcopy(offloaded)
+    for model, policy in ((offloaded, CPUOffloadPolicy(pin_memory=pin_memory)), (plain, None)):
+        kwargs = {"offload_policy": policy} if policy is not None else {}
+        for layer in model.layers:
+            fully_shard(layer, mesh=nccl_world, **kwargs)
+        fully_shard(model, mesh=nccl_world, **kwargs)
+    assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() == pin_memory for p in offloaded.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in offloaded.parameters())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (offloaded, plain)]
+    for step in range(5):
+        x, y = synthetic_batch(step, 4, 16, offloaded.cfg.vocab_size)
+        losses = []
+        for model, opt in zip((offloaded, plain), opts):
+            loss = loss_fn(model(x.cuda()), y.cuda())
+            loss.backward()
+            if model is offloaded:
+                assert all(p.grad.to_local().device.type == "cpu" for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        print(f"step {step}: |loss diff| {abs(losses[0] - losses[1]):.2e}")
+        assert abs(losses[0] - losses[1]) <= 1e-5
+        states = [m.__dict__["_fsdp_state"] for m in offloaded.modules() if "_fsdp_state" in m.__dict__]
+        assert sum(p.padded_unsharded.untyped_storage().nbytes() for s in states for p in s.group.params) == 0
+    assert all(t.device.type == "cpu" for st in opts[0].state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
+    diff = max((p.full_tensor().cpu() - q.full_tensor().cpu()).abs().max().item() for p, q in zip(offloaded.parameters(), plain.parameters()))
+    print(f"max |param diff| offloaded vs plain {diff:.2e}")
+    assert diff <= 1e-5
+    # Device memory between steps: the plain model's shards and optimizer state (~3x the model),
+    # none of the offloaded model's.
+    torch.cuda.synchronize()
+    del plain, opts[1], model, opt, loss
+    torch.cuda.empty_cache()
+    print(f"device bytes after step {torch.cuda.memory_allocated()} vs model bytes {model_bytes}")
+    assert torch.cuda.memory_allocated() < model_bytes / 4
+
+
+def test_cuda_offloaded_shards_stay_on_host(nccl_world):
+    """model.cuda() after fully_shard brings offloaded shards back to the host; a shard moved to
+    the device by hand (bypassing nn.Module) is refused at the next forward, naming it."""
+    import torch.nn as nn
+
+    from fully_shard import CPUOffloadPolicy, fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model, mesh=nccl_world, offload_policy=CPUOffloadPolicy())
+    model.cuda()
+    assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
+    model(torch.randn(2, 8, device="cuda")).sum().backward()
+    assert all(p.grad.to_local().device.type == "cpu" for p in model.parameters())
+    model2 = nn.Linear(8, 8)
+    fully_shard(model2, mesh=nccl_world, offload_policy=CPUOffloadPolicy())
+    model2.weight._local_tensor = model2.weight._local_tensor.cuda()
+    with pytest.raises(RuntimeError, match="parameter weight is on cuda.*CPUOffloadPolicy keeps its shard on cpu.*Fix"):
+        model2(torch.randn(2, 8, device="cuda"))

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .discovery import check_params, find_params, is_sharded_module, move_buffers, register_managed, shard_dim_for
-from .mesh import MeshInfo, check_reshard_after_forward, mesh_info
+from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -82,7 +82,7 @@ class FSDPModule:
         group = self._get_fsdp_state().group
         with torch.no_grad():
             for p in group.params if group is not None else ():
-                p.check_shard_is_ours()
+                p.check_shard_is_ours(adopt_device=True)
         return result
 
     # -- run-time knobs --------------------------------------------------------------------------
@@ -232,7 +232,9 @@ def fully_shard(
             for backward). ``None``: ``True``, except for the root, which keeps them. An ``int``
             ``k`` dividing the shard world size: after forward keep the parameters sharded over
             groups of ``k`` consecutive ranks (e.g. one node), so backward all-gathers within them.
-        mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy`.
+        mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy` (shards,
+            gradients and optimizer state on the host; each all-gather copies the shard to the
+            device; on a CPU mesh it changes nothing).
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
         shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
             (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
@@ -243,13 +245,13 @@ def fully_shard(
     _check_options(reshard_after_forward, mp_policy, offload_policy)
     info = mesh_info(mesh)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
-    _check_offload(offload_policy, info)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found.own, info)
     shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
     # Every check has passed; from here on nothing raises on user input.
-    params = [FSDPParam(param, places, info, mp_policy, dim) for (param, places), dim in zip(found.own, shard_dims)]
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    params = [FSDPParam(param, places, info, mp_policy, dim, offload) for (param, places), dim in zip(found.own, shard_dims)]
     for (original, _), managed in zip(found.own, params):
         register_managed(original, managed)
     group = FSDPParamGroup(params, info, fqn="") if params else None
@@ -297,14 +299,6 @@ def _check_options(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}.")
-
-
-def _check_offload(offload_policy: OffloadPolicy, info: MeshInfo) -> None:
-    if isinstance(offload_policy, CPUOffloadPolicy) and info.device.type != "cpu":
-        raise NotImplementedError(
-            f"CPUOffloadPolicy on a {info.device.type} mesh is not applied by this version of fully_shard. "
-            "Fix: pass OffloadPolicy() (no offload). On a CPU mesh the policy is accepted: everything is on CPU already."
-        )
 
 
 def _ignored_ids(ignored_params: Optional[set[nn.Parameter]]) -> set[int]:

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from .mesh import mesh_device
+
 _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 
@@ -56,7 +58,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
     device = grads[0].device if grads else torch.device("cpu")
     parts = [_local_power_sum(plain, norm_type).to(device)] if plain else []
     for (mesh, dims), locals_ in by_reduction.items():
-        part = _local_power_sum(locals_, norm_type).to(locals_[0].device if locals_ else device)
+        # On the mesh's device: offloaded gradients live on the host, but NCCL reduces device tensors.
+        part = _local_power_sum(locals_, norm_type).to(mesh_device(mesh))
         for dim in dims:  # sum (max) over every mesh dim that splits these gradients
             dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
         parts.append(part.to(device))

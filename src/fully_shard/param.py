@@ -51,7 +51,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
-from .policy import MixedPrecisionPolicy
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -101,12 +101,19 @@ class FSDPParam:
         info: MeshInfo,
         mp: MixedPrecisionPolicy = MixedPrecisionPolicy(),
         shard_dim: int = 0,
+        offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         self.places = places
         self.fqn = places[0].fqn
         self.group: Optional["FSDPParamGroup"] = None  # set by the group that owns it
         self.info = info
         self.requires_grad = param.requires_grad
+        # CPUOffloadPolicy: the shard and its .grad live on the host; each all-gather copies the
+        # shard to the device first, each reduction copies the gradient back. On a CPU mesh the
+        # same code runs and the copies are no-ops.
+        self.offload = offload is not None
+        self.pin_memory = self.offload and offload.pin_memory and info.device.type != "cpu"  # type: ignore[union-attr]
+        self.shard_device = torch.device("cpu") if self.offload else info.device
         self.tp: Optional[TPSpec] = None
         data = param.detach()
         if isinstance(data, DTensor):
@@ -156,14 +163,18 @@ class FSDPParam:
         shape[self.shard_dim] = self.n_local
         return torch.Size(shape)
 
+    def _empty_shard(self, shape: tuple[int, ...], meta: bool = False) -> torch.Tensor:
+        if meta:
+            return torch.empty(shape, dtype=self.dtype, device="meta")
+        return torch.empty(shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+
     def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
-        device = "meta" if full.is_meta else self.info.device
         if self.shard_dim != 0:
-            local = torch.empty(self._local_shape(), dtype=self.dtype, device=device)
+            local = self._empty_shard(tuple(self._local_shape()), meta=full.is_meta)
             if not full.is_meta:
                 local.copy_(self.local_chunk(full))
             return local
-        self.padded_shard = torch.empty((self.rows, *self.shape[1:]), dtype=self.dtype, device=device)
+        self.padded_shard = self._empty_shard((self.rows, *self.shape[1:]), meta=full.is_meta)
         if not full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
             # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
             self.padded_shard[: self.n_local].copy_(self.local_chunk(full))
@@ -208,8 +219,12 @@ class FSDPParam:
         """This rank's padded shard, flat, in its original dtype: copy-in casts it to the group's
         all-gather dtype in place."""
         if self.padded_shard is not None:
-            return self.padded_shard.view(-1)
-        return _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.rows, 0, 1).view(-1)
+            shard = self.padded_shard.view(-1)
+        else:
+            shard = _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.rows, 0, 1).view(-1)
+        if shard.device != self.info.device:  # offloaded: to the device (async from pinned memory)
+            shard = shard.to(self.info.device, non_blocking=self.pin_memory)
+        return shard
 
     def all_gather_input_bytes(self) -> torch.Tensor:
         """The same in ``param_dtype`` as bytes, for a group whose parameters have several
@@ -336,6 +351,12 @@ class FSDPParam:
         if grad.dtype != self.dtype:
             grad = grad.to(self.dtype)
         existing = self.sharded_param.grad
+        if grad.device != self.shard_device:  # offloaded: the gradient goes back to the host
+            host = torch.empty(grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+            # Asynchronous only into a fresh .grad: the host waits for it before the optimizer
+            # (end of backward). Adding into an existing one needs the values now.
+            host.copy_(grad, non_blocking=self.pin_memory and existing is None)
+            grad = host
         if existing is None:
             self.sharded_param.grad = DTensor(  # type: ignore[call-arg]
                 grad.contiguous(), self.sharded_param._spec, requires_grad=False  # type: ignore[attr-defined]
@@ -364,33 +385,39 @@ class FSDPParam:
 
     # -- integrity -------------------------------------------------------------------------------
 
-    def check_shard_is_ours(self) -> None:
-        """Re-pad if something replaced the DTensor's local tensor (``module.to_empty``, ``_apply``).
-
-        The dim-0 all-gather reads ``padded_shard``; a local tensor living elsewhere would be
-        silently ignored, so adopt its values into fresh padded storage and point the DTensor at it.
-        """
+    def check_shard_is_ours(self, adopt_device: bool = False) -> None:
+        """Re-home the shard if something replaced the DTensor's local tensor (``to_empty``,
+        ``_apply``): dim-0 shards go back into padded storage the all-gather reads (a local tensor
+        living elsewhere would be silently ignored); offloaded shards go back to (pinned) host
+        memory when ``adopt_device`` (``module.to(device)`` moved them), else a shard in the wrong
+        place is refused."""
         local = self.local_shard
         if local.is_meta:
             return
-        if local.device != self.info.device:
+        if local.device != self.shard_device and not (adopt_device and self.offload):
+            where = "CPUOffloadPolicy keeps its shard on cpu" if self.offload else f"its mesh computes on {self.info.device}"
             raise RuntimeError(
-                f"parameter {self.fqn} is on {local.device} after fully_shard, but its mesh computes on "
-                f"{self.info.device}. Fix: move the module before fully_shard, or to_empty(device="
-                f"'{self.info.device}') a meta-initialised one."
+                f"parameter {self.fqn} is on {local.device} after fully_shard, but {where}. Fix: move the "
+                f"module before fully_shard, or to_empty(device='{self.info.device}') a meta-initialised one "
+                "(fully_shard keeps offloaded shards on the host)."
             )
-        if self.shard_dim != 0:
-            return  # the all-gather reads the local tensor itself
-        if (
-            self.padded_shard is not None
-            and not self.padded_shard.is_meta
-            and local.untyped_storage().data_ptr() == self.padded_shard.untyped_storage().data_ptr()
-        ):
+        if self.padded_shard is not None and not self.padded_shard.is_meta and _same_storage(local, self.padded_shard):
             return
-        padded = torch.zeros((self.rows, *self.shape[1:]), dtype=local.dtype, device=local.device)
+        if self.shard_dim != 0:
+            if local.device != self.shard_device or (self.pin_memory and not local.is_pinned()):
+                host = self._empty_shard(tuple(local.shape))
+                host.copy_(local)
+                self.sharded_param._local_tensor = host  # type: ignore[attr-defined]
+            return  # the all-gather reads the local tensor itself
+        padded = self._empty_shard((self.rows, *self.shape[1:]))
         padded[: local.shape[0]].copy_(local)
+        padded[local.shape[0] :].zero_()
         self.padded_shard = padded
         self.sharded_param._local_tensor = padded[: local.shape[0]]  # type: ignore[attr-defined]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:

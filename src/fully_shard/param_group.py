@@ -75,6 +75,9 @@ class FSDPParamGroup:
         # States between their pre-forward and post-forward that use these parameters: the owner,
         # and modules tied to them (`FSDPState.borrowed`). The last one out reshards.
         self.forward_users: set[int] = set()
+        # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the
+        # host; `wait_for_offloaded_grads` blocks the host on them at the end of backward.
+        self.offload_events: list[torch.Event] = []
         # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
         self.requires_all_reduce = True
 
@@ -123,12 +126,14 @@ class FSDPParamGroup:
         else:
             self._gathered_versions = self._shard_versions()
             dtype = self.all_gather_dtype
-            if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
-                inputs = [p.all_gather_input_bytes() for p in self.params]
-            else:  # one dtype: copy-in casts in place (the common case)
-                inputs = [p.all_gather_input() for p in self.params]
+            inputs = None  # read on the all-gather stream: offloaded shards are copied to the device there
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
+            if inputs is None:
+                if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
+                    inputs = [p.all_gather_input_bytes() for p in self.params]
+                else:  # one dtype: copy-in casts in place (the common case)
+                    inputs = [p.all_gather_input() for p in self.params]
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
             work = collectives.all_gather(output, ag_input, group, comm.async_op)
             event = comm.record(comm.all_gather_stream)
@@ -230,6 +235,12 @@ class FSDPParamGroup:
         self.set_phase(TrainingPhase.IDLE)
         return result
 
+    def wait_for_offloaded_grads(self) -> None:
+        """Block the host until every gradient copied to it this backward has landed."""
+        for event in self.offload_events:
+            event.synchronize()
+        self.offload_events.clear()
+
     def discard_unsharded_grads(self) -> None:
         for p in self.trainable:
             p.take_unsharded_grad()
@@ -268,6 +279,8 @@ class FSDPParamGroup:
                     # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
                     self._after_reduce_scatter(part, phase)
                     part.pending.event = comm.record(comm.reduce_scatter_stream)
+                    if any(p.offload for p in params):  # the host waits for these before the optimizer
+                        self.offload_events.append(part.pending.event)
                 else:
                     part.pending.release_when_done()
         return part

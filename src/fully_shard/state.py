@@ -95,6 +95,9 @@ class RootContext:
             if self.root.settings.is_last_backward:
                 self.finish_pending_reduce()
                 self.post_forward_order.clear()
+                for state in self.states:  # offloaded .grad must be on the host for the optimizer
+                    if state.group is not None:
+                        state.group.wait_for_offloaded_grads()
             self.final_callback_queued = False
 
     def reset(self) -> None:
