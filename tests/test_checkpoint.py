@@ -15,14 +15,22 @@ SAVE_AFTER = 2
 STEPS_AFTER = 3
 
 
-def _sharded_llama(seed: int = 0):
+def _sharded_llama(seed: int = 0, layout: str = "fsdp"):
+    """``fsdp``: 1-D mesh, dim 0. ``hsdp``: (2, W/2) replicate x shard mesh. ``dim1``: 1-D mesh,
+    matrices sharded on dim 1 (uneven)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
     from fully_shard import fully_shard
 
     torch.manual_seed(seed)
     model = Llama(LlamaConfig(n_layers=2))
+    w = world()[1]
+    mesh = init_device_mesh("cpu", (2, w // 2) if w > 1 else (1, 1)) if layout == "hsdp" else cpu_mesh()
+    placement = (lambda p: Shard(1) if p.dim() == 2 else None) if layout == "dim1" else None
     for layer in model.layers:
-        fully_shard(layer, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+        fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     return model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
 
 
@@ -36,22 +44,22 @@ def _step(model, opt, step: int) -> float:
     return global_mean(loss)
 
 
-def _train_and_save(path: str) -> None:
+def _train_and_save(path: str, layout: str = "fsdp") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model, opt = _sharded_llama()
+    model, opt = _sharded_llama(layout=layout)
     for step in range(SAVE_AFTER):
         _step(model, opt, step)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def _load_and_train(path: str) -> dict:
+def _load_and_train(path: str, layout: str = "fsdp") -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    model, opt = _sharded_llama(seed=123)  # different initial weights: the checkpoint must replace them
+    model, opt = _sharded_llama(seed=123, layout=layout)  # different initial weights: the checkpoint must replace them
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -93,6 +101,21 @@ def test_resume_at_any_world_size(ranks, tmp_path, reference, save_world, load_w
     print(f"save at {save_world}, load at {load_world}: max |loss diff| {loss_diff:.2e}, max |param diff| {param_diff:.2e}")
     assert loss_diff <= TOL and param_diff <= TOL
     assert all(r["losses"] == results[0]["losses"] for r in results)  # every rank saw the same global loss
+
+
+@pytest.mark.parametrize(
+    "save_world,save_layout,load_world,load_layout",
+    [(4, "hsdp", 2, "dim1"), (2, "dim1", 4, "hsdp"), (4, "hsdp", 1, "fsdp"), (1, "fsdp", 4, "dim1")],
+)
+def test_resume_across_layouts(ranks, tmp_path, reference, save_world, save_layout, load_world, load_layout):
+    """Save under one layout (HSDP, dim-1 shards, plain) and world size, resume under another."""
+    ref_losses, ref_params = reference
+    ranks(save_world).run(_train_and_save, str(tmp_path), save_layout)
+    results = ranks(load_world).run(_load_and_train, str(tmp_path), load_layout)
+    loss_diff = max(abs(a - b) for a, b in zip(results[0]["losses"], ref_losses))
+    param_diff = max((results[0]["params"][k] - ref_params[k]).abs().max().item() for k in ref_params)
+    print(f"{save_layout}@{save_world} -> {load_layout}@{load_world}: |loss diff| {loss_diff:.2e}, |param diff| {param_diff:.2e}")
+    assert loss_diff <= TOL and param_diff <= TOL
 
 
 def _full_state_dict_round_trip() -> dict:
