@@ -253,27 +253,11 @@ def _tp_parity(shape: tuple[int, int], reshard: bool) -> dict:
     w = model[1].up.weight
     assert w.device_mesh.mesh_dim_names == ("dp", "tp") and w.placements[1] == Shard(0)
     assert model[1].down.weight.placements == (Shard(0), Shard(1))
-    out = {"initial": max_param_diff(model, ref)}
-
-    # Data parallel over dp only: the TP ranks of one dp rank see the same batch.
-    dp_rank, dp = mesh.get_local_rank(0), shape[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        x, y = mlp_batch(step)
-        loss = _mlp_loss(model, x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = _mlp_loss(ref, x, y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean = loss.detach().clone()
-        torch.distributed.all_reduce(mean, group=mesh.get_group(0))
-        losses.append(abs(mean.item() / dp - ref_loss.item()))
-    out["loss_diff"], out["param_diff"] = max(losses), max_param_diff(model, ref)
+    initial = max_param_diff(model, ref)
+    # Data parallel over dp only: the TP ranks of one dp rank see the same batch (and loss, so the
+    # mean over all ranks is the mean over dp ranks).
+    out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS, split=(mesh.get_local_rank(0), shape[0]))
+    out["initial"] = initial
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     out["state_dict_diff"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
     return out

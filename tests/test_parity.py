@@ -53,8 +53,10 @@ def mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 # -- rank bodies ---------------------------------------------------------------------------------
 
 
-def _train_pair(model, ref, batch_fn, loss_of, steps: int, lr: float = 1e-2) -> dict:
-    rank, w = world()
+def _train_pair(model, ref, batch_fn, loss_of, steps: int, lr: float = 1e-2, split: tuple[int, int] | None = None) -> dict:
+    """``split=(index, parts)``: which slice of the global batch this rank trains on (default: its
+    rank of the world; tensor-parallel ranks of one data-parallel rank share a slice)."""
+    rank, w = world() if split is None else split
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     loss_diffs = []
