@@ -62,13 +62,12 @@ def _walk(module: nn.Module, fqn: str, seen: set[int]) -> Iterator[tuple[nn.Modu
         yield from _walk(child, child_fqn, seen)
 
 
-def _label(module: Optional[nn.Module], fqn: str, article: str = "a") -> str:
+def _label(module: nn.Module, fqn: str) -> str:
+    """How an error names the module holding a parameter: its path, or its class at the top."""
     if fqn:
         return f"module '{fqn}'"
-    if module is None:
-        return "another module"
     cls = type(module).__bases__[-1] if is_sharded_module(module) else type(module)
-    return f"{article} {cls.__name__}"
+    return f"this {cls.__name__}"
 
 
 @dataclass
@@ -95,7 +94,7 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
             owner = _manager(param)
             if owner is not None:
                 if any(id(p.module) in walked_ids for p in owner.places):
-                    _refuse_parent_first(fqn, _label(module, module_fqn, article="this"))
+                    _refuse_parent_first(fqn, _label(module, module_fqn))
                 borrowed.setdefault(id(owner), (owner, []))[1].append(place)
                 continue
             own.setdefault(id(param), (param, []))[1].append(place)
