@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch.profiler import record_function
@@ -31,6 +31,13 @@ class ReduceScatterPart:
     post_divide: float  # what is left to divide by after the collective
     phase: str = "backward"
     accumulated: bool = False
+
+    def slices(self) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
+        """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
+        offset = 0
+        for p in self.params:
+            yield p, self.output.narrow(0, offset, p.shard_numel)
+            offset += p.shard_numel
 
 
 @dataclass
@@ -164,19 +171,18 @@ class FSDPParamGroup:
 
     def _copy_out_each(self, output: torch.Tensor, world: int, targets: list[Optional[torch.Tensor]]) -> None:
         rows = output.view(world, -1)
+        # Each row holds W / world shard-world slots (more than one when gathering back from
+        # reshard_after_forward=int shares); a parameter's bytes scale with that.
+        slots_per_row = rows.shape[1] // sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
         offset = 0
         for p, target in zip(self.params, targets):
-            nbytes = rows.shape[1] * p.shard_numel * p.param_dtype.itemsize // self._slot_bytes()
+            nbytes = slots_per_row * p.shard_numel * p.param_dtype.itemsize
             src = rows[:, offset : offset + nbytes]
             offset += nbytes
             if target is not None:
                 target.view(torch.uint8).view(world, -1).copy_(src)
             else:
                 p.copy_out(src.view(p.param_dtype))
-
-    def _slot_bytes(self) -> int:
-        """Bytes per rank in a full all-gather of this group."""
-        return sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
 
     def _shard_versions(self) -> tuple[int, ...]:
         return tuple(p.shard_version for p in self.params)
@@ -277,7 +283,7 @@ class FSDPParamGroup:
                 part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after, phase)
                 if comm.uses_streams:
                     # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
-                    self._after_reduce_scatter(part, phase)
+                    self._after_reduce_scatter(part)
                     part.pending.event = comm.record(comm.reduce_scatter_stream)
                     if any(p.offload for p in params):  # the host waits for these before the optimizer
                         self.offload_events.append(part.pending.event)
@@ -292,35 +298,30 @@ class FSDPParamGroup:
                 part.pending.wait()
                 part.pending.keep_alive = ()
                 if not part.accumulated:
-                    self._after_reduce_scatter(part, part.phase)
+                    self._after_reduce_scatter(part)
 
-    def _after_reduce_scatter(self, part: ReduceScatterPart, phase: str) -> None:
+    def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
         backward's partial sum for later when the all-reduce is deferred. Then accumulate."""
         if self.info.is_hsdp:
             assert self.info.replicate_group is not None
             if not self.requires_all_reduce:
-                offset = 0
-                for p in part.params:
-                    p.add_partial_reduce(part.output.narrow(0, offset, p.shard_numel))
-                    offset += p.shard_numel
+                for p, reduced in part.slices():
+                    p.add_partial_reduce(reduced)
                 part.accumulated = True
                 return
-            offset = 0
-            for p in part.params:
-                p.pop_partial_reduce_into(part.output.narrow(0, offset, p.shard_numel))
-                offset += p.shard_numel
-            comm = self._comm()
+            for p, reduced in part.slices():
+                p.pop_partial_reduce_into(reduced)
             nbytes = part.output.numel() * part.output.element_size()
-            comm.record_collective(phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group)
+            self._comm().record_collective(
+                part.phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group
+            )
             collectives.all_reduce(part.output, self.info.replicate_group)
         self._accumulate(part)
 
     def _accumulate(self, part: ReduceScatterPart) -> None:
         if part.post_divide != 1:
             part.output.div_(part.post_divide)
-        offset = 0
-        for p in part.params:
-            p.accumulate_sharded_grad(part.output.narrow(0, offset, p.shard_numel))
-            offset += p.shard_numel
+        for p, reduced in part.slices():
+            p.accumulate_sharded_grad(reduced)
         part.accumulated = True

@@ -263,10 +263,8 @@ class FSDPState:
             if group is not None:
                 group.set_phase(TrainingPhase.FORWARD)
             for g in self.groups:
-                g.unshard("forward", after)
                 g.forward_users.add(id(self))
-            for g in self.groups:
-                g.wait_for_unshard()
+            self._unshard_groups("forward", after)
             for target in self.settings.forward_prefetch or ():
                 if target.group is not None:
                     target.group.unshard("forward_prefetch")
@@ -282,11 +280,15 @@ class FSDPState:
         source of saved tensors, its backward never runs; the original forward's signal fires.
         """
         with record_function(f"FSDP::pre_recompute {self.fqn}"):
-            for g in self.groups:
-                g.unshard("backward")
-            for g in self.groups:
-                g.wait_for_unshard()
+            self._unshard_groups("backward")
         return args, kwargs
+
+    def _unshard_groups(self, phase: str, after: Optional[torch.Event] = None) -> None:
+        """Own group and borrowed ones: issue every all-gather first, then wait for them."""
+        for g in self.groups:
+            g.unshard(phase, after)
+        for g in self.groups:
+            g.wait_for_unshard()
 
     def _start_iteration(self) -> Optional[torch.Event]:
         """Root, start of a forward: recover from a backward that died; hook up open traces;
@@ -385,10 +387,7 @@ class FSDPState:
             if group is not None:
                 group.set_phase(TrainingPhase.PRE_BACKWARD)
             if self.settings.unshard_in_backward:
-                for g in self.groups:
-                    g.unshard("backward")  # a no-op when the previous group's backward prefetched it
-                for g in self.groups:
-                    g.wait_for_unshard()
+                self._unshard_groups("backward")  # a no-op when the previous group's backward prefetched it
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
             implicit = ctx.backward_prefetch_target(self)
