@@ -255,6 +255,7 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(table + "\n")
+    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
     dist.destroy_process_group()
 
 

@@ -88,6 +88,7 @@ def main() -> None:
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(start + args.steps)}, checkpoint_id=args.ckpt)
     if rank == 0:
         print(f"saved {args.ckpt} at step {start + args.steps}")
+    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
     dist.destroy_process_group()
 
 

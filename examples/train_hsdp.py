@@ -74,6 +74,7 @@ def main() -> None:
             if step == 0:
                 print(trace.summary(), flush=True)
             print(f"step {step:3d}  loss {total.item() / world:.4f}", flush=True)
+    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
     dist.destroy_process_group()
 
 

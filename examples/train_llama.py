@@ -96,10 +96,17 @@ def main() -> None:
             print(f"step {step:3d}  loss {global_loss.item() / world:.4f}  "
                   f"tokens/s {tokens_per_step / elapsed:9.0f}  peak mem rank0 {peak_memory_mib(device):.0f} MiB",
                   flush=True)
-    peaks = [None] * world
-    dist.all_gather_object(peaks, round(peak_memory_mib(device)))
+    # A tensor collective, not all_gather_object: object collectives pickle through numpy, which
+    # `pip install torch -e .` does not install.
+    peak = torch.tensor([peak_memory_mib(device)], dtype=torch.float64, device=device)
+    peaks = [torch.empty_like(peak) for _ in range(world)]
+    dist.all_gather(peaks, peak)
     if rank == 0:
-        print(f"per-rank peak memory (MiB): {peaks}")
+        print(f"per-rank peak memory (MiB): {[round(p.item()) for p in peaks]}")
+    # Gloo aborts the process ('terminate called without an active exception') when one rank tears
+    # down its connections while a peer still finishes the last collective; PyTorch's fully_shard
+    # shows the same. Every rank passes the barrier first.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -84,6 +84,7 @@ def main() -> None:
         dist.all_reduce(mean, group=mesh.get_group("dp"))
         if dist.get_rank() == 0:
             print(f"step {step:3d}  loss {mean.item() / dp:.4f}", flush=True)
+    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
     dist.destroy_process_group()
 
 
