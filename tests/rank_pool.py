@@ -31,13 +31,9 @@ class RankFailure(AssertionError):
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str) -> None:
-    import warnings
-
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=UserWarning)
     if test_dir not in sys.path:
         sys.path.insert(0, test_dir)
     torch.set_num_threads(1)

@@ -39,8 +39,9 @@ def max_param_diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
 
 
 def global_mean(x: torch.Tensor) -> float:
-    """Mean over ranks of a per-rank scalar (the data-parallel loss on the global batch)."""
-    t = x.detach().clone().reshape(1).float()
+    """Mean over ranks of a per-rank scalar (the data-parallel loss on the global batch), summed in
+    float64 so a float64 loss keeps its precision."""
+    t = x.detach().clone().reshape(1).to(torch.float64)
     dist.all_reduce(t)
     return t.item() / dist.get_world_size()
 

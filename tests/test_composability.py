@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from llama_model import Llama, LlamaConfig
 from rank_utils import cpu_mesh
 from rank_utils import world as world_of
-from test_parity import LLAMA_LR, TOL, _llama_loss, _train_pair, llama_batch
+from _parity import LLAMA_LR, TOL64, _llama_loss, _train_pair, llama_batch, llama64
 
 
 class CheckpointedLlama(Llama):
@@ -39,7 +39,7 @@ def _ac(kind: str) -> dict:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(n_layers=3)
-    model = CheckpointedLlama(cfg) if kind == "over_blocks" else Llama(cfg)
+    model = CheckpointedLlama(cfg).to(torch.float64) if kind == "over_blocks" else llama64(cfg)
     ref = copy.deepcopy(model)
     if kind == "wrapper_per_block":
         for i, layer in enumerate(model.layers):
@@ -61,7 +61,7 @@ def _ac(kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["wrapper_per_block", "over_blocks"])
 def test_activation_checkpointing(ranks, world_size, kind):
     for r in ranks(world_size).run(_ac, kind):
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
         # One all-gather per resharded block in backward, none for the recompute itself; each
         # block reduces as soon as its gradients exist (not at the end of backward).
         assert r["backward_all_gathers"] == 3 and r["block_reduces_in_backward"] == 3, r
@@ -78,14 +78,14 @@ def _meta_init(how: str) -> dict:
     from fully_shard import fully_shard
     from llama_model import rotary_tables
     from rank_utils import global_mean, world
-    from test_parity import _train_pair
+    from _parity import _train_pair
 
     rank, w = world()
     cfg = LlamaConfig(n_layers=2)
     torch.manual_seed(0)
-    ref = Llama(cfg)  # what rank 0 would load from disk
+    ref = llama64(cfg)  # what rank 0 would load from disk
     with torch.device("meta"):
-        model = Llama(cfg)
+        model = llama64(cfg)
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
@@ -121,7 +121,7 @@ def _meta_init(how: str) -> dict:
 def test_meta_init_from_rank0_full_state_dict(ranks, world_size):
     for r in ranks(world_size).run(_meta_init, "rank0_state_dict"):
         assert r["exact"], r
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -159,7 +159,7 @@ def _clip(layout: str, helper: bool) -> dict:
 
     rank, w = world()
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layers=2))
+    model = llama64(LlamaConfig(n_layers=2))
     ref = copy.deepcopy(model)
     block_mesh, root_mesh = _clip_meshes(layout)
     for layer in model.layers:
@@ -207,7 +207,7 @@ def test_clip_grad_norm_over_sharded_gradients(ranks, world_size, layout, helper
     for r in ranks(world_size).run(_clip, layout, helper):
         print(f"{layout} helper={helper}: norm rel diff {r['norm_rel_diff']:.1e}, param diff {r['param_diff']:.1e}")
         assert r["clipped"], r  # max_norm is below the real norm: clipping happened
-        assert r["norm_rel_diff"] <= 1e-5 and r["param_diff"] <= TOL, r
+        assert r["norm_rel_diff"] <= 1e-5 and r["param_diff"] <= TOL64, r
         if layout == "two_meshes":
             print("  stock clip_grad_norm_ on two meshes:", r["stock_error"][:200])
             assert r["stock_error"], "the stock function handled two meshes: the helper's reason to exist is gone"

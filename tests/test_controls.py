@@ -12,15 +12,14 @@ import torch.nn as nn
 
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
-from test_parity import TOL, _mlp_loss, make_mlp, mlp_batch, shard_mlp
-from test_runtime import _nested_mlp_and_reference
+from _parity import nested_mlp_and_reference, TOL64, _mlp_loss, make_mlp, mlp_batch, shard_mlp, llama64
 
 
 def _llama(n_layers: int = 3, reshard: bool = True):
     from fully_shard import fully_shard
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layers=n_layers))
+    model = llama64(LlamaConfig(n_layers=n_layers))
     ref = copy.deepcopy(model)
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh(), reshard_after_forward=reshard)
@@ -48,13 +47,13 @@ def _accumulate(sync_every: bool, reshard_after_backward: bool) -> dict:
     from fully_shard import debug
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     rs_per_microbatch, ag_per_microbatch = [], []
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(16, 7, generator=gen), torch.randn(16, 3, generator=gen)  # 16 rows: 4 micro-batches per rank at world <= 4
+        x, y = torch.randn(16, 7, generator=gen, dtype=torch.float64), torch.randn(16, 3, generator=gen, dtype=torch.float64)  # 16 rows: 4 micro-batches per rank at world <= 4
         lx, ly = x.chunk(w)[rank], y.chunk(w)[rank]
         micro = list(zip(lx.chunk(4), ly.chunk(4)))
         for i, (mx, my) in enumerate(micro):
@@ -78,7 +77,7 @@ def _accumulate(sync_every: bool, reshard_after_backward: bool) -> dict:
 @pytest.mark.parametrize("sync_every", [False, True])
 def test_gradient_accumulation_without_sync_equals_one_big_step(ranks, world_size, sync_every):
     for r in ranks(world_size).run(_accumulate, sync_every, True):
-        assert r["param_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL64, r
         groups = 4  # 3 blocks + root
         for i, rs in enumerate(r["rs"]):
             last = i % 4 == 3
@@ -88,7 +87,7 @@ def test_gradient_accumulation_without_sync_equals_one_big_step(ranks, world_siz
 @pytest.mark.parametrize("world_size", [2])
 def test_no_reshard_after_backward_skips_all_gathers_between_micro_batches(ranks, world_size):
     for r in ranks(world_size).run(_accumulate, False, False):
-        assert r["param_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL64, r
         # Micro-batch 0 of each step gathers every group (4 forward + 3 backward); 1-3 reuse the
         # unsharded parameters kept after backward: forward gathers nothing, backward only what
         # forward resharded (3 blocks).
@@ -178,7 +177,7 @@ def test_reshard_after_forward_int_gathers_within_the_smaller_group(ranks):
 
 
 def _reshard_int_parity(k) -> dict:
-    from test_parity import LLAMA_LR, _llama_loss, _train_pair, llama_batch
+    from _parity import LLAMA_LR, _llama_loss, _train_pair, llama_batch
 
     model, ref = _llama(reshard=k)
     result = _train_pair(model, ref, llama_batch, _llama_loss, 5, LLAMA_LR)
@@ -191,7 +190,7 @@ def _reshard_int_parity(k) -> dict:
 def test_reshard_after_forward_int_trains_like_the_reference(ranks, world_size):
     k = max(1, world_size // 2)  # world 4: pairs; world 2: 1 (= keep unsharded); world 1: 1
     for r in ranks(world_size).run(_reshard_int_parity, k):
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL and r["post_forward_alive"] == 0, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64 and r["post_forward_alive"] == 0, r
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -218,7 +217,7 @@ def _unshard_in_backward_off() -> dict:
 
     rank, w = world()
     torch.manual_seed(0)
-    model = EmbedMLP()
+    model = EmbedMLP().double()
     ref = copy.deepcopy(model)
     fully_shard(model.embed, mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
@@ -228,7 +227,7 @@ def _unshard_in_backward_off() -> dict:
     backward_embed_gathers = 0
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        tokens, y = torch.randint(0, 13, (8, 5), generator=gen), torch.randn(8, 3, generator=gen)
+        tokens, y = torch.randint(0, 13, (8, 5), generator=gen), torch.randn(8, 3, generator=gen, dtype=torch.float64)
         with debug.trace() as t:
             _mlp_loss(model, tokens.chunk(w)[rank], y.chunk(w)[rank]).backward()
         backward_embed_gathers += sum(1 for r in t.select(op="all_gather", module="embed") if r.phase != "forward")
@@ -243,7 +242,7 @@ def _unshard_in_backward_off() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_unshard_in_backward_off(ranks, world_size):
     for r in ranks(world_size).run(_unshard_in_backward_off):
-        assert r["backward_embed_gathers"] == 0 and r["param_diff"] <= TOL, r
+        assert r["backward_embed_gathers"] == 0 and r["param_diff"] <= TOL64, r
 
 
 # -- reset after a failure -----------------------------------------------------------------------
@@ -322,7 +321,7 @@ def _reset_after_failure(where: str, explicit_reset: bool = True) -> dict:
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_reset_iter_state_after_exception(ranks, world_size, where):
     for r in ranks(world_size).run(_reset_after_failure, where):
-        assert r["failed"] and r["unsharded_after_reset"] == 0 and r["param_diff"] <= TOL, r
+        assert r["failed"] and r["unsharded_after_reset"] == 0 and r["param_diff"] <= TOL64, r
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -330,7 +329,7 @@ def test_failed_backward_is_detected_without_reset(ranks, world_size):
     """Forgetting reset_iter_state after a failed backward: the next forward notices (the
     end-of-backward callback never ran), warns, resets, and training stays correct."""
     for r in ranks(world_size).run(_reset_after_failure, "backward", False):
-        assert r["failed"] and r["param_diff"] <= TOL, r
+        assert r["failed"] and r["param_diff"] <= TOL64, r
 
 
 # -- gather-full-parameters context ------------------------------------------------------------
@@ -340,7 +339,7 @@ def _unsharded_context(writeback: bool) -> dict:
     from fully_shard import unsharded
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = mlp_batch(0)
@@ -378,10 +377,10 @@ def _unsharded_context(writeback: bool) -> dict:
 @pytest.mark.parametrize("writeback", [True, False])
 def test_unsharded_context(ranks, world_size, writeback):
     for r in ranks(world_size).run(_unsharded_context, writeback):
-        assert r["full_shapes"] and r["read_diff"] <= TOL, r
+        assert r["full_shapes"] and r["read_diff"] <= TOL64, r
         # With writeback the halving landed in the shards (and the reference halved too);
         # without it the shards are untouched (and so is the reference).
-        assert r["after_diff"] <= TOL and r["final_diff"] <= TOL, r
+        assert r["after_diff"] <= TOL64 and r["final_diff"] <= TOL64, r
 
 
 # -- schedules with several forwards before backward -------------------------------------------
@@ -392,12 +391,12 @@ def _one_f_one_b() -> dict:
     step: equals one step on the concatenated batch."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(12, 7, generator=gen), torch.randn(12, 3, generator=gen)
+        x, y = torch.randn(12, 7, generator=gen, dtype=torch.float64), torch.randn(12, 3, generator=gen, dtype=torch.float64)
         lx, ly = x.chunk(w)[rank] if w < 4 else x[rank::w], y.chunk(w)[rank] if w < 4 else y[rank::w]
         losses = [_mlp_loss(model, mx, my) / 3 for mx, my in zip(lx.chunk(3), ly.chunk(3))]
         for i, mb in enumerate((2, 0, 1)):
@@ -415,7 +414,7 @@ def _one_f_one_b() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_several_forwards_then_backwards_in_another_order(ranks, world_size):
     for r in ranks(world_size).run(_one_f_one_b):
-        assert r["param_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL64, r
 
 
 # -- other entry points and reductions ---------------------------------------------------------
@@ -439,11 +438,11 @@ def _forward_method() -> dict:
     from fully_shard import fully_shard, register_fsdp_forward_method
 
     torch.manual_seed(0)
-    model = WithGenerate()
+    model = WithGenerate().double()
     ref = copy.deepcopy(model)
     fully_shard(model, mesh=cpu_mesh())
     register_fsdp_forward_method(model, "generate")
-    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     with torch.no_grad():
         out = model.generate(x)
     return {"diff": (out - ref.generate(x)).abs().max().item(),
@@ -453,14 +452,14 @@ def _forward_method() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_register_fsdp_forward_method(ranks, world_size):
     for r in ranks(world_size).run(_forward_method):
-        assert r["diff"] <= TOL and r["resharded"], r
+        assert r["diff"] <= TOL64 and r["resharded"], r
 
 
 def _divide_factor() -> dict:
     """Factor 1.0: gradients are the sum over ranks, i.e. world x the reference's average."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     model.set_gradient_divide_factor(1.0)
     model.set_force_sum_reduction_for_comms(True)
     x, y = mlp_batch(0)
@@ -472,7 +471,7 @@ def _divide_factor() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_gradient_divide_factor(ranks, world_size):
     for r in ranks(world_size).run(_divide_factor):
-        assert r["diff"] <= TOL, r
+        assert r["diff"] <= TOL64, r
 
 
 def test_trace_summary_is_readable(ranks):

@@ -5,17 +5,26 @@ mixed original dtypes in one group; nested policies; input and output casts."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 from llama_model import Llama, LlamaConfig, RMSNorm, loss_fn, synthetic_batch
-from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
-from test_parity import LLAMA_LR, TOL, _mlp_loss, mlp_batch
+from rank_utils import cpu_mesh, full, global_mean, world
+from _parity import LLAMA_LR, _mlp_loss, mlp_batch
 
 BF16 = torch.bfloat16
 STEPS = 20
+# Against a float64 single-process reference, derived (not measured): bf16 rounds weights and
+# activations to 8 significant bits, relative error <= 2**-9 per rounding. The loss of the 2-block
+# Llama passes through ~25 rounded stages (norms, 7 projections and attention per block, residual
+# adds, the output projection), so with errors adding at most linearly its relative error is
+# <= 25 * 2**-9 ~ 0.05, i.e. <= 0.05 * ln(vocab 101) ~ 0.23 for a loss of at most ln(101) (it only
+# falls from there). Loose on purpose: the strict oracle here is PyTorch's fully_shard with the
+# same policy, compared bit for bit.
+BF16_LOSS_BOUND = 25 * 2**-9 * math.log(101)
 
 
 def _policy(reduce_dtype=torch.float32, **kwargs):
@@ -47,7 +56,7 @@ def _bf16_training(nested_norm_fp32: bool) -> dict:
     torch.manual_seed(0)
     ours = Llama(LlamaConfig(n_layers=2))
     theirs = copy.deepcopy(ours)
-    ref = copy.deepcopy(ours)
+    ref = copy.deepcopy(ours).double()
     _shard(ours, fully_shard, MixedPrecisionPolicy, nested_norm_fp32)
     _shard(theirs, torch_fully_shard, TorchMP, nested_norm_fp32)
     opts = [torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for m in (ours, theirs, ref)]
@@ -100,12 +109,11 @@ def _bf16_training(nested_norm_fp32: bool) -> dict:
 def test_bf16_tracks_fp32_and_matches_torch_fully_shard(ranks, world_size):
     for rank, r in enumerate(ranks(world_size).run(_bf16_training, False)):
         if rank == 0:
-            print(f"world {world_size} per-step |loss - fp32 reference|: " + " ".join(f"{d:.1e}" for d in r["vs_ref"]))
+            print(f"world {world_size} per-step |loss - float64 reference|: " + " ".join(f"{d:.1e}" for d in r["vs_ref"]))
             print(f"world {world_size} per-step |loss - torch fully_shard|: " + " ".join(f"{d:.1e}" for d in r["vs_torch"]))
             print(f"world {world_size} max |param - torch fully_shard|: {r['param_vs_torch']:.1e}")
-        # bf16 rounding against an fp32 model: measured <= 6.4e-3 over 20 steps; 3x margin.
-        assert max(r["vs_ref"]) <= 2e-2, r["vs_ref"]
-        assert max(r["vs_torch"]) <= 1e-5 and r["param_vs_torch"] <= 1e-5, (r["vs_torch"], r["param_vs_torch"])
+        assert max(r["vs_ref"]) <= BF16_LOSS_BOUND, r["vs_ref"]
+        assert max(r["vs_torch"]) == 0.0 and r["param_vs_torch"] == 0.0, (r["vs_torch"], r["param_vs_torch"])
         assert r["ag_dtypes"] == ["torch.bfloat16"] and r["rs_dtypes"] == ["torch.float32"], r
         assert r["param_dtypes"] == r["grad_dtypes"] == r["opt_state_dtypes"] == ["torch.float32"], r
 
@@ -135,10 +143,10 @@ def test_bf16_all_gathers_move_half_the_bytes(ranks, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_nested_fp32_norms_inside_bf16_blocks(ranks, world_size):
     for r in ranks(world_size).run(_bf16_training, True):
-        print(f"nested world {world_size}: max |loss - fp32 reference| {max(r['vs_ref']):.1e}")
+        print(f"nested world {world_size}: max |loss - float64 reference| {max(r['vs_ref']):.1e}")
         assert r["norm_input_dtypes"] == ["torch.float32"], r  # the norm's policy cast its input up
-        assert max(r["vs_ref"]) <= 2e-2, r["vs_ref"]  # measured <= 3.6e-3
-        assert max(r["vs_torch"]) <= 1e-5 and r["param_vs_torch"] <= 1e-5, (r["vs_torch"], r["param_vs_torch"])
+        assert max(r["vs_ref"]) <= BF16_LOSS_BOUND, r["vs_ref"]
+        assert max(r["vs_torch"]) == 0.0 and r["param_vs_torch"] == 0.0, (r["vs_torch"], r["param_vs_torch"])
 
 
 # -- mixed original dtypes in one group ------------------------------------------------------
@@ -163,8 +171,9 @@ class MixedDtypeMLP(nn.Module):
 def _mixed_dtype_group() -> dict:
     """Ours: fp32 and bf16 parameters in one group. Oracle: PyTorch's fully_shard, which needs
     the bf16 layer in a group of its own. Same seed, same per-rank math, same reductions (each
-    dtype reduced in its own dtype): results must agree to the bit. And both track the
-    single-process reference within bf16 rounding."""
+    dtype reduced in its own dtype): results must agree to the bit. (Numerics against a
+    single-process model are the float64 tests' job; bf16 sums in another order have no
+    machine-independent tolerance.)"""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from fully_shard import debug, fully_shard
@@ -173,17 +182,17 @@ def _mixed_dtype_group() -> dict:
     torch.manual_seed(0)
     model = MixedDtypeMLP()
     theirs = copy.deepcopy(model)
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model)  # only for its dtypes
     fully_shard(model, mesh=cpu_mesh())
     torch_fully_shard(theirs.mid, mesh=cpu_mesh())
     torch_fully_shard(theirs, mesh=cpu_mesh())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, theirs, ref)]
-    vs_torch, vs_ref = [], []
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, theirs)]
+    vs_torch = []
     for step in range(5):
-        x, y = mlp_batch(step)
+        x, y = mlp_batch(step, torch.float32)
         losses = []
-        for i, (m, opt) in enumerate(zip((model, theirs, ref), opts)):
-            inputs, targets = (x.chunk(w)[rank], y.chunk(w)[rank]) if i < 2 else (x, y)
+        for i, (m, opt) in enumerate(zip((model, theirs), opts)):
+            inputs, targets = x.chunk(w)[rank], y.chunk(w)[rank]
             with debug.trace() as t:
                 loss = _mlp_loss(m, inputs, targets)
                 loss.backward()
@@ -191,14 +200,11 @@ def _mixed_dtype_group() -> dict:
                 trace = t
             opt.step()
             opt.zero_grad()
-            losses.append(global_mean(loss) if i < 2 else loss.item())
+            losses.append(global_mean(loss))
         vs_torch.append(abs(losses[0] - losses[1]))
-        vs_ref.append(abs(losses[0] - losses[2]))
     return {
         "loss_vs_torch": max(vs_torch),
         "param_vs_torch": max((full(a) - full(b)).abs().max().item() for a, b in zip(model.parameters(), theirs.parameters())),
-        "loss_vs_ref": max(vs_ref),
-        "param_vs_ref": max_param_diff(model, ref),
         "all_gathers": trace.count(op="all_gather"),
         "rs_dtypes": sorted(str(r.dtype) for r in trace.select(op="reduce_scatter")),
         "dtypes_kept": {n: str(p.dtype) for n, p in model.named_parameters()} == {n: str(p.dtype) for n, p in ref.named_parameters()},
@@ -213,10 +219,7 @@ def test_mixed_dtypes_in_one_group(ranks, world_size):
         print(r)
         assert r["dtypes_kept"] and r["all_gathers"] == 1, r
         assert r["rs_dtypes"] == ["torch.bfloat16", "torch.float32"], r
-        assert r["loss_vs_torch"] <= TOL and r["param_vs_torch"] <= TOL, r
-        # Against the single process: bf16 gradients summed per rank, then across ranks, round
-        # differently from one global backward (measured: loss 9.1e-4, parameters 2.0e-3).
-        assert r["loss_vs_ref"] <= 5e-3 and r["param_vs_ref"] <= 1e-2, r
+        assert r["loss_vs_torch"] == 0.0 and r["param_vs_torch"] == 0.0, r
 
 
 # -- input and output casts ------------------------------------------------------------------
@@ -277,7 +280,7 @@ def test_without_input_cast_the_input_dtype_is_the_callers(ranks, world_size):
 def _bf16_reduction() -> dict:
     """reduce_dtype=bf16: the reduce-scatter runs in bf16 (divided partly before the sum) and
     the gradient lands in fp32 on the shard; training matches PyTorch's fully_shard with the same
-    policy (measured bit-exact at world 2 and 4: both split the division the same way there)."""
+    policy bit for bit (both split the division the same way)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -307,7 +310,8 @@ def _bf16_reduction() -> dict:
             if model is ours:
                 rs_dtypes = sorted({str(r.dtype) for r in t.select(op="reduce_scatter")})
         diffs.append(abs(losses[0] - losses[1]))
-    return {"diffs": diffs, "rs_dtypes": rs_dtypes, "grad_dtypes": sorted({str(p.grad.dtype) for p in ours.parameters()})}
+    param_vs_torch = max((full(a) - full(b)).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+    return {"diffs": diffs, "param_vs_torch": param_vs_torch, "rs_dtypes": rs_dtypes, "grad_dtypes": sorted({str(p.grad.dtype) for p in ours.parameters()})}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -315,4 +319,4 @@ def test_bf16_reduction(ranks, world_size):
     for r in ranks(world_size).run(_bf16_reduction):
         print(f"world {world_size} |loss - torch fully_shard| per step: " + " ".join(f"{d:.1e}" for d in r["diffs"]))
         assert r["rs_dtypes"] == ["torch.bfloat16"] and r["grad_dtypes"] == ["torch.float32"], r
-        assert max(r["diffs"]) <= 1e-5, r["diffs"]
+        assert max(r["diffs"]) == 0.0 and r["param_vs_torch"] == 0.0, r

@@ -11,7 +11,7 @@ import torch
 
 from llama_model import Llama, LlamaConfig
 from rank_utils import cpu_mesh, world
-from test_parity import LLAMA_LR, _llama_loss, llama_batch
+from _parity import LLAMA_LR, _llama_loss, llama_batch, llama64
 
 
 def _offload_equals_plain() -> dict:
@@ -19,7 +19,7 @@ def _offload_equals_plain() -> dict:
 
     rank, w = world()
     torch.manual_seed(0)
-    plain = Llama(LlamaConfig(n_layers=2))
+    plain = llama64(LlamaConfig(n_layers=2))
     offloaded = copy.deepcopy(plain)
     for model, policy in ((plain, None), (offloaded, CPUOffloadPolicy())):
         kwargs = {"offload_policy": policy} if policy is not None else {}
@@ -66,9 +66,9 @@ def _offload_meta_init() -> float:
     from fully_shard import CPUOffloadPolicy, fully_shard
 
     torch.manual_seed(0)
-    ref = Llama(LlamaConfig(n_layers=2))
+    ref = llama64(LlamaConfig(n_layers=2))
     with torch.device("meta"):
-        model = Llama(LlamaConfig(n_layers=2))
+        model = llama64(LlamaConfig(n_layers=2))
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh(), offload_policy=CPUOffloadPolicy())
     fully_shard(model, mesh=cpu_mesh(), offload_policy=CPUOffloadPolicy())

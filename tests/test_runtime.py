@@ -14,21 +14,11 @@ from torch.distributed.tensor import DTensor
 
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import CollectiveLog, cpu_mesh, full, global_mean, max_param_diff, world
-from test_parity import TOL, _mlp_loss, _train_pair, make_mlp, mlp_batch, shard_mlp
+from _parity import TOL64, _mlp_loss, _train_pair, make_mlp, mlp_batch, nested_mlp_and_reference, shard_mlp, llama64
 
 
 def _all_states(model: nn.Module):
     return [m.__dict__["_fsdp_state"] for m in model.modules() if "_fsdp_state" in m.__dict__]
-
-
-def _nested_mlp_and_reference() -> tuple[nn.Module, nn.Module]:
-    """The parity MLP with each block and the root sharded, and an unsharded copy of it."""
-    from fully_shard import fully_shard
-
-    model = make_mlp()
-    ref = copy.deepcopy(model)
-    shard_mlp(model, "nested", True, fully_shard)
-    return model, ref
 
 
 def _unsharded_bytes_alive(model: nn.Module) -> int:
@@ -47,7 +37,7 @@ def _schedule(reshard: bool) -> list[dict]:
 
     rank, w = world()
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(n_layers=3))
+    model = llama64(LlamaConfig(n_layers=3))
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=cpu_mesh())
@@ -114,7 +104,7 @@ def test_frozen_params_get_no_gradient_traffic(ranks, world_size):
     for r in ranks(world_size).run(_frozen_traffic):
         assert r["frozen_grad_none"]
         assert r["trainable_numel"] in r["rs_sizes"], r  # block 0's reduce-scatter carries only trainable grads
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
 # -- memory --------------------------------------------------------------------------------------
@@ -159,13 +149,13 @@ def _memory_ratio() -> dict:
     cfg = LlamaConfig(vocab_size=512, dim=128, hidden_dim=344, n_layers=4)
     base = _live_tensor_bytes()
     torch.manual_seed(0)
-    plain = Llama(cfg)
+    plain = llama64(cfg)
     _train_one_step(plain, sharded=False)
     plain_bytes = _live_tensor_bytes() - base
     del plain
     base = _live_tensor_bytes()
     torch.manual_seed(0)
-    model = Llama(cfg)
+    model = llama64(cfg)
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
@@ -205,7 +195,7 @@ def _twice_parity(reshard: bool) -> dict:
     from fully_shard import fully_shard
 
     torch.manual_seed(0)
-    model = TwiceMLP()
+    model = TwiceMLP().double()
     ref = copy.deepcopy(model)
     fully_shard(model.block, mesh=cpu_mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=cpu_mesh())
@@ -216,7 +206,7 @@ def _twice_parity(reshard: bool) -> dict:
 @pytest.mark.parametrize("reshard", [True, False])
 def test_module_run_twice_per_forward(ranks, world_size, reshard):
     for r in ranks(world_size).run(_twice_parity, reshard):
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
 def _standalone_block() -> dict:
@@ -224,11 +214,11 @@ def _standalone_block() -> dict:
     reference gradients and leaves nothing unsharded."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     x, y = mlp_batch(0)
     _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
     model.zero_grad()
-    h = torch.randn(8, 11, generator=torch.Generator().manual_seed(5))
+    h = torch.randn(8, 11, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     model[1](h.chunk(w)[rank]).pow(2).mean().backward()
     ref[1](h).pow(2).mean().backward()
     diffs = [(full(p.grad) - q.grad).abs().max().item() for p, q in zip(model[1].parameters(), ref[1].parameters())]
@@ -238,7 +228,7 @@ def _standalone_block() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_non_root_block_alone(ranks, world_size):
     for r in ranks(world_size).run(_standalone_block):
-        assert r["grad_diff"] <= TOL and r["unsharded"] == 0, r
+        assert r["grad_diff"] <= TOL64 and r["unsharded"] == 0, r
 
 
 def _accumulate_two_backwards() -> dict:
@@ -246,7 +236,7 @@ def _accumulate_two_backwards() -> dict:
     step on the whole batch: reduce-scattered gradients add into the sharded ``.grad``."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
@@ -265,7 +255,7 @@ def _accumulate_two_backwards() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_gradient_accumulation_across_backward_calls(ranks, world_size):
     for r in ranks(world_size).run(_accumulate_two_backwards):
-        assert r["param_diff"] <= TOL, r
+        assert r["param_diff"] <= TOL64, r
 
 
 def _structure() -> dict:
@@ -275,7 +265,7 @@ def _structure() -> dict:
 
     rank, w = world()
     torch.manual_seed(0)
-    model = Llama()
+    model = llama64()
     names_before = list(model.state_dict().keys())
     ignored = model.norm.weight
     for layer in model.layers:
@@ -316,7 +306,7 @@ def _forward_without_backward_then_step() -> dict:
     values, not the stale unsharded copy."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     diffs = []
@@ -340,7 +330,7 @@ def _eval_under_no_grad() -> dict:
     """Evaluation under no_grad matches the reference and keeps nothing unsharded, root included."""
 
     rank, w = world()
-    model, ref = _nested_mlp_and_reference()
+    model, ref = nested_mlp_and_reference()
     x, _ = mlp_batch(0)
     with torch.no_grad():
         out = model(x.chunk(w)[rank])
@@ -351,10 +341,10 @@ def _eval_under_no_grad() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_forward_without_backward_never_uses_stale_parameters(ranks, world_size):
     for r in ranks(world_size).run(_forward_without_backward_then_step):
-        assert r["loss_diff"] <= TOL and r["param_diff"] <= TOL, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_eval_under_no_grad(ranks, world_size):
     for r in ranks(world_size).run(_eval_under_no_grad):
-        assert r["diff"] <= TOL and r["unsharded"] == 0, r
+        assert r["diff"] <= TOL64 and r["unsharded"] == 0, r

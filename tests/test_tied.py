@@ -12,7 +12,7 @@ import torch
 
 from llama_model import Llama
 from rank_utils import cpu_mesh
-from test_parity import LLAMA_LR, STEPS, _check, _llama_loss, _train_pair, llama_batch
+from _parity import LLAMA_LR, STEPS, _llama_loss, _train_pair, check, llama64, llama_batch
 
 LAYOUTS = ["embedding_first", "output_first", "output_in_root"]
 
@@ -38,7 +38,7 @@ def _tied_parity(layout: str, reshard: bool) -> dict:
     from fully_shard import debug
 
     torch.manual_seed(0)
-    model = Llama()
+    model = llama64()
     ref = copy.deepcopy(model)
     shard_tied(model, layout, reshard)
     assert model.output.weight is model.tok_embeddings.weight
@@ -56,14 +56,18 @@ def _tied_parity(layout: str, reshard: bool) -> dict:
 @pytest.mark.parametrize("reshard", [True, False])
 def test_tied_embedding_across_calls_matches_single_process(ranks, world_size, layout, reshard):
     results = ranks(world_size).run(_tied_parity, layout, reshard)
-    _check(results, f"tied {layout} reshard={reshard}")
+    check(results, f"tied {layout} reshard={reshard}")
+    # Owner-group collectives in step 0 (world 1 issues none). Resharded between uses, the owner
+    # gathers for each forward use and once for backward; output_first gathers once more in
+    # backward (autograd runs the shared AccumulateGrad only after both uses, so the owner's
+    # post-backward finds no gradient yet and reshards; see docs/composability.md).
+    gathers = {
+        ("embedding_first", True): 3, ("embedding_first", False): 1,
+        ("output_first", True): 4, ("output_first", False): 2,
+        ("output_in_root", True): 1, ("output_in_root", False): 1,  # the root keeps it for both uses
+    }[(layout, reshard)]
     for r in results:
         print(f"  owner group: {r['owner_gathers']} all-gathers, {r['owner_reduces']} reduce-scatters in step 0")
         assert r["tied"]
-        assert r["owner_reduces"] >= 1
-        if layout == "output_in_root":
-            # The root uses the tied weight for its whole forward: one all-gather serves both uses.
-            assert r["owner_gathers"] == 1
-        elif reshard:
-            # Resharded between the two uses: gathered for each forward use, and again for backward.
-            assert r["owner_gathers"] >= 3
+        assert r["owner_gathers"] == (gathers if world_size > 1 else 0)
+        assert r["owner_reduces"] == (1 if world_size > 1 else 0)
