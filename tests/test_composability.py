@@ -64,7 +64,8 @@ def test_activation_checkpointing(ranks, world_size, kind):
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
         # One all-gather per resharded block in backward, none for the recompute itself; each
         # block reduces as soon as its gradients exist (not at the end of backward).
-        assert r["backward_all_gathers"] == 3 and r["block_reduces_in_backward"] == 3, r
+        n = 3 if world_size > 1 else 0  # one rank communicates nothing
+        assert r["backward_all_gathers"] == n and r["block_reduces_in_backward"] == n, r
 
 
 # -- meta-device init ------------------------------------------------------------------------

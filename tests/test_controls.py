@@ -78,7 +78,7 @@ def _accumulate(sync_every: bool, reshard_after_backward: bool) -> dict:
 def test_gradient_accumulation_without_sync_equals_one_big_step(ranks, world_size, sync_every):
     for r in ranks(world_size).run(_accumulate, sync_every, True):
         assert r["param_diff"] <= TOL64, r
-        groups = 4  # 3 blocks + root
+        groups = 4 if world_size > 1 else 0  # 3 blocks + root; one rank communicates nothing
         for i, rs in enumerate(r["rs"]):
             last = i % 4 == 3
             assert rs == (groups if sync_every or last else 0), r["rs"]
@@ -133,7 +133,7 @@ def _schedule(kind: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # schedules; one rank communicates nothing (test_runtime)
 def test_implicit_backward_prefetch_schedule(ranks, world_size):
     for r in ranks(world_size).run(_schedule, "implicit"):
         print(r["summary"])
@@ -143,7 +143,7 @@ def test_implicit_backward_prefetch_schedule(ranks, world_size):
         assert r["reduce_scatter"] == 4
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # schedules; one rank communicates nothing (test_runtime)
 def test_explicit_forward_prefetch_schedule(ranks, world_size):
     results = ranks(world_size).run(_schedule, "forward_prefetch")
     baseline = ranks(world_size).run(_schedule, "implicit")
@@ -153,14 +153,14 @@ def test_explicit_forward_prefetch_schedule(ranks, world_size):
         assert abs(r["loss"] - b["loss"]) == 0.0  # same math, different schedule
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # schedules; one rank communicates nothing (test_runtime)
 def test_explicit_backward_prefetch_schedule(ranks, world_size):
     for r in ranks(world_size).run(_schedule, "backward_prefetch"):
         assert r["backward"] == [("backward_prefetch", "layers.2"), ("backward_prefetch", "layers.1"),
                                  ("backward_prefetch", "layers.0")]
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # schedules; one rank communicates nothing (test_runtime)
 @pytest.mark.parametrize("kind", ["no_reshard", "runtime_no_reshard"])
 def test_no_reshard_after_forward_means_no_backward_all_gather(ranks, world_size, kind):
     for r in ranks(world_size).run(_schedule, kind):
@@ -193,7 +193,7 @@ def test_reshard_after_forward_int_trains_like_the_reference(ranks, world_size):
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64 and r["post_forward_alive"] == 0, r
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("world_size", [2, 4])  # schedules; one rank communicates nothing (test_runtime)
 def test_manual_async_unshard_before_forward_is_used(ranks, world_size):
     for r in ranks(world_size).run(_schedule, "manual_unshard"):
         assert r["explicit"] == [("explicit", "all_gather", "<root>")]

@@ -114,7 +114,8 @@ def test_bf16_tracks_fp32_and_matches_torch_fully_shard(ranks, world_size):
             print(f"world {world_size} max |param - torch fully_shard|: {r['param_vs_torch']:.1e}")
         assert max(r["vs_ref"]) <= BF16_LOSS_BOUND, r["vs_ref"]
         assert max(r["vs_torch"]) == 0.0 and r["param_vs_torch"] == 0.0, (r["vs_torch"], r["param_vs_torch"])
-        assert r["ag_dtypes"] == ["torch.bfloat16"] and r["rs_dtypes"] == ["torch.float32"], r
+        if world_size > 1:  # one rank communicates nothing
+            assert r["ag_dtypes"] == ["torch.bfloat16"] and r["rs_dtypes"] == ["torch.float32"], r
         assert r["param_dtypes"] == r["grad_dtypes"] == r["opt_state_dtypes"] == ["torch.float32"], r
 
 
@@ -217,8 +218,8 @@ def test_mixed_dtypes_in_one_group(ranks, world_size):
     dtype is reduce-scattered in its own dtype."""
     for r in ranks(world_size).run(_mixed_dtype_group):
         print(r)
-        assert r["dtypes_kept"] and r["all_gathers"] == 1, r
-        assert r["rs_dtypes"] == ["torch.bfloat16", "torch.float32"], r
+        assert r["dtypes_kept"] and r["all_gathers"] == (1 if world_size > 1 else 0), r
+        assert r["rs_dtypes"] == (["torch.bfloat16", "torch.float32"] if world_size > 1 else []), r
         assert r["loss_vs_torch"] == 0.0 and r["param_vs_torch"] == 0.0, r
 
 

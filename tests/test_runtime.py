@@ -57,6 +57,7 @@ def _schedule(reshard: bool) -> list[dict]:
                 "fwd_reduce_scatter": fwd.count("reduce_scatter"),
                 "bwd_all_gather": bwd.count("all_gather"),
                 "bwd_reduce_scatter": bwd.count("reduce_scatter"),
+                "collectives": len(fwd.calls) + len(bwd.calls),  # of any kind, seen by the dispatcher
                 "unsharded_bytes_after_step": _unsharded_bytes_alive(model),
                 "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
             }
@@ -71,10 +72,13 @@ def test_collectives_per_step(ranks, world_size, reshard):
     when resharded (the root keeps its parameters); one reduce-scatter per group."""
     for steps in ranks(world_size).run(_schedule, reshard):
         for s in steps:
+            assert s["unsharded_bytes_after_step"] == 0 and s["all_dtensor"], s
+            if world_size == 1:  # one rank: nothing to gather or reduce, so no collective at all
+                assert s["collectives"] == 0, s
+                continue
             assert s["fwd_all_gather"] == 4 and s["fwd_reduce_scatter"] == 0, s
             assert s["bwd_all_gather"] == (3 if reshard else 0), s
-            assert s["bwd_reduce_scatter"] == 4, s
-            assert s["unsharded_bytes_after_step"] == 0 and s["all_dtensor"], s
+            assert s["bwd_reduce_scatter"] == 4 and s["collectives"] == 4 + (3 if reshard else 0) + 4, s
 
 
 def _frozen_traffic() -> dict:

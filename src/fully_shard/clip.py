@@ -61,6 +61,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
         # On the mesh's device: offloaded gradients live on the host, but NCCL reduces device tensors.
         part = _local_power_sum(locals_, norm_type).to(mesh_device(mesh))
         for dim in dims:  # sum (max) over every mesh dim that splits these gradients
+            if mesh.size(dim) == 1:
+                continue  # one rank holds it all: nothing to reduce
             dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
         parts.append(part.to(device))
     if not parts:

@@ -142,9 +142,11 @@ class FSDPParamGroup:
                 else:  # one dtype: copy-in casts in place (the common case)
                     inputs = [p.all_gather_input() for p in self.params]
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
-            work = collectives.all_gather(output, ag_input, group, comm.async_op)
+            # One rank: the copy-in already wrote the whole output; there is nothing to gather.
+            work = collectives.all_gather(output, ag_input, group, comm.async_op) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
-        comm.record_collective(phase, self.fqn, "all_gather", self.all_gather_dtype, output.numel(), group)
+        if world > 1:
+            comm.record_collective(phase, self.fqn, "all_gather", self.all_gather_dtype, output.numel(), group)
         self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
         self._all_gather_world = world
 
@@ -276,10 +278,13 @@ class FSDPParamGroup:
             if before != 1:
                 rs_input.div_(before)
             with comm.on(comm.reduce_scatter_stream):
-                output = torch.empty(slot, dtype=dtype, device=self.info.device)
-                work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
-                nbytes = rs_input.numel() * rs_input.element_size()
-                comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group)
+                if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
+                    output, work = rs_input, None
+                else:
+                    output = torch.empty(slot, dtype=dtype, device=self.info.device)
+                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
+                    nbytes = rs_input.numel() * rs_input.element_size()
+                    comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group)
                 part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after, phase)
                 if comm.uses_streams:
                     # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
@@ -303,7 +308,7 @@ class FSDPParamGroup:
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
         backward's partial sum for later when the all-reduce is deferred. Then accumulate."""
-        if self.info.is_hsdp:
+        if self.info.is_hsdp and self.info.replicate_size > 1:
             assert self.info.replicate_group is not None
             if not self.requires_all_reduce:
                 for p, reduced in part.slices():
