@@ -10,11 +10,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .discovery import check_params, find_params, is_sharded_module, move_buffers, register_managed, shard_dim_for
+from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for
 from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .registry import register_original
 from .debug import attach_active_traces
 from .state import FSDPState
 
@@ -37,6 +38,21 @@ class FSDPModule:
     ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m, OriginalClass)`` still
     holds. Methods with ``recurse=True`` apply to every ``fully_shard`` module in this subtree.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Constructing a sharded class builds its original class instead.
+
+        Containers make new instances of their own class: ``nn.Sequential.__getitem__(slice)``
+        calls ``self.__class__(...)``. A slice of a sharded model is a plain container of the
+        same (sharded) children, as with an unsharded model, not a sharded module with no state.
+        ``copy.deepcopy`` creates the instance with no arguments and keeps the sharded class.
+        """
+        if not args and not kwargs:
+            return super().__new__(cls)
+        original = cls.__bases__[-1]
+        module = original.__new__(original)
+        module.__init__(*args, **kwargs)
+        return module
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
@@ -80,9 +96,9 @@ class FSDPModule:
         self.reshard()
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
         group = self._get_fsdp_state().group
-        with torch.no_grad():
-            for p in group.params if group is not None else ():
-                p.check_shard_is_ours(adopt_device=True)
+        if group is not None:
+            with torch.no_grad():
+                group.sync_params(adopt_device=True)
         return result
 
     # -- run-time knobs --------------------------------------------------------------------------
@@ -253,7 +269,7 @@ def fully_shard(
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     params = [FSDPParam(param, places, info, mp_policy, dim, offload) for (param, places), dim in zip(found.own, shard_dims)]
     for (original, _), managed in zip(found.own, params):
-        register_managed(original, managed)
+        register_original(original, managed)
     group = FSDPParamGroup(params, info, fqn="") if params else None
     borrowed: list[FSDPParamGroup] = []
     for owner, places in found.borrowed:  # tied to a parameter an earlier call manages
@@ -286,6 +302,12 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
             raise ValueError(
                 f"fully_shard was already applied to this {original}; a module can be sharded once. "
                 "Fix: remove the second call (to change options, rebuild the module)."
+            )
+        if type(m).forward is nn.Module.forward and "forward" not in m.__dict__:  # torch.compile sets it on the instance
+            raise ValueError(
+                f"fully_shard got a {type(m).__name__}, which has no forward of its own: its hooks would never run, "
+                "so its parameters would never be all-gathered. Fix: shard its children (for block in "
+                "model.layers: fully_shard(block)), or pass them as one group: fully_shard(list(model.layers))."
             )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in one list; pass each module once.")

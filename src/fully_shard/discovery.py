@@ -5,42 +5,16 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .mesh import MeshInfo
 from .param import FSDPParam, ParamPlace
-
-
-# Which FSDPParam manages a tensor: every original parameter a fully_shard call replaced (keyed
-# weakly by identity) and every sharded DTensor parameter (keyed by id, the FSDPParam held weakly:
-# a weak reference on the parameter itself would stop `to_empty` from swapping it). Why a
-# registry: after fully_shard(embed), a module tied to embed.weight (lm_head) still holds the
-# original tensor, and nothing reachable from lm_head says it was sharded; sharding it again would
-# silently untie the weights. A later call that meets such a tensor borrows the owner's parameter
-# instead. Everything is weak, so this holds no per-rank state (ranks running as threads never
-# share a tensor) and forgets a parameter when it dies.
-_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
-
-
-def register_managed(original: nn.Parameter, managed: FSDPParam) -> None:
-    _ORIGINALS[original] = weakref.ref(managed)
-    _SHARDED[id(managed.sharded_param)] = managed
-
-
-def _manager(param: nn.Parameter) -> Optional[FSDPParam]:
-    managed = _SHARDED.get(id(param))
-    if managed is not None and managed.sharded_param is param:
-        return managed
-    ref = _ORIGINALS.get(param)
-    return ref() if ref is not None else None
+from .registry import manager_of
 
 
 def is_sharded_module(module: nn.Module) -> bool:
@@ -91,7 +65,7 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
                 continue
             fqn = f"{module_fqn}.{name}" if module_fqn else name
             place = ParamPlace(module, name, fqn)
-            owner = _manager(param)
+            owner = manager_of(param)
             if owner is not None:
                 if any(id(p.module) in walked_ids for p in owner.places):
                     _refuse_parent_first(fqn, _label(module, module_fqn))

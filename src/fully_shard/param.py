@@ -52,6 +52,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from .registry import register_sharded
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -64,6 +65,9 @@ class ParamPlace:
     module: nn.Module
     name: str
     fqn: str
+
+    def get(self) -> object:
+        return self.module._parameters.get(self.name, _MISSING)
 
     def set(self, tensor: torch.Tensor) -> None:
         # Straight into _parameters: nn.Module.__setattr__ costs too much on the per-step path,
@@ -120,11 +124,8 @@ class FSDPParam:
             self.tp = TPSpec(data.device_mesh, tuple(data.placements), data.shape, tuple(data.stride()))
             data = data.to_local()
         self.shape = data.shape  # what this library shards: the TP-local shape under TP
-        self.dtype = param.dtype  # original dtype: the shard, the optimizer, the sharded .grad
-        cast = param.is_floating_point()
-        # all-gathered and computed in this dtype; gradients are reduced in reduce_dtype
-        self.param_dtype = mp.param_dtype if cast and mp.param_dtype is not None else self.dtype
-        self.reduce_dtype = mp.reduce_dtype if cast and mp.reduce_dtype is not None else self.param_dtype
+        self.mp = mp
+        self._set_dtype(param.dtype)
         self.shard_dim = shard_dim
         n = self.shape[shard_dim]
         self.rows = rows_per_rank(n, info.world_size)
@@ -140,8 +141,28 @@ class FSDPParam:
         self.unsharded_param: Optional[nn.Parameter] = None
         self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: reduced over shards, not yet replicas
         self.state = ShardedState.SHARDED
+        # The local tensor `sync_with_module` last checked: another one means something swapped it.
+        self._seen_local: Optional[torch.Tensor] = None
+        register_sharded(self)
         for place in places:
             place.set(self.sharded_param)
+
+    def _path(self, fqn: str) -> str:
+        """``fqn`` (relative to the fully_shard call's module) from the root, once lazy init named it."""
+        prefix = self.group.fqn if self.group is not None else ""
+        return f"{prefix}.{fqn}" if prefix else fqn
+
+    @property
+    def path(self) -> str:
+        return self._path(self.fqn)
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        """The original dtype (the shard's, the optimizer's, the sharded .grad's) and, from it and
+        the policy, the dtype it is all-gathered and computed in and the one gradients reduce in."""
+        self.dtype = dtype
+        cast = dtype.is_floating_point
+        self.param_dtype = self.mp.param_dtype if cast and self.mp.param_dtype is not None else dtype
+        self.reduce_dtype = self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
 
     def add_places(self, places: list[ParamPlace]) -> None:
         """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it
@@ -323,7 +344,10 @@ class FSDPParam:
             return
         self._transition(ShardedState.SHARDED)
         for place in self.places:
-            place.set(self.sharded_param)
+            # A place holding something else was assigned by the user meanwhile: leave it for
+            # `sync_with_module` to take over at the next unshard.
+            if place.get() is self.unsharded_param:
+                place.set(self.sharded_param)
         self.free_unsharded()
 
     # -- gradients -------------------------------------------------------------------------------
@@ -383,25 +407,92 @@ class FSDPParam:
             return None
         return torch.zeros(self.moved_shape, dtype=self.param_dtype, device=self.info.device)
 
-    # -- integrity -------------------------------------------------------------------------------
+    # -- picking up changes made behind our back --------------------------------------------------
 
-    def check_shard_is_ours(self, adopt_device: bool = False) -> None:
-        """Re-home the shard if something replaced the DTensor's local tensor (``to_empty``,
-        ``_apply``): dim-0 shards go back into padded storage the all-gather reads (a local tensor
-        living elsewhere would be silently ignored); offloaded shards go back to (pinned) host
-        memory when ``adopt_device`` (``module.to(device)`` moved them), else a shard in the wrong
-        place is refused."""
+    def sync_with_module(self, adopt_device: bool = False) -> bool:
+        """Take over whatever replaced or converted this parameter while it was sharded; return
+        whether anything changed (the group then refreshes what it derives from its parameters).
+
+        * A new parameter at one of its places (``load_state_dict(..., assign=True)``, attribute
+          assignment, ``set_model_state_dict`` on a meta model) becomes the sharded parameter;
+          one of another global shape or placement is refused, naming it.
+        * A new local tensor (``to_empty``, ``module.to(...)``) moves back into padded storage the
+          all-gather reads (a local tensor living elsewhere would be silently ignored), in its new
+          dtype; offloaded shards go back to (pinned) host memory when ``adopt_device``
+          (``module.to(device)`` moved them), else a shard in the wrong place is refused.
+
+        Cheap when nothing changed: one identity check per place and one for the local tensor.
+        """
+        changed = self._adopt_assigned()
         local = self.local_shard
+        if local is self._seen_local and not changed:
+            return False
+        self._rehome(local, adopt_device)
+        self._seen_local = self.local_shard
+        return True
+
+    def replaced(self) -> bool:
+        """Whether a place holds neither form of this parameter (the user assigned a new one)."""
+        for place in self.places:
+            current = place.get()
+            if current is not self.sharded_param and current is not self.unsharded_param:
+                return True
+        return False
+
+    def _adopt_assigned(self) -> bool:
+        for place in self.places:
+            current = place.get()
+            if current is not self.sharded_param:
+                break
+        else:
+            return False
+        self.sharded_param = self._accept_replacement(current, self._path(place.fqn))
+        self.requires_grad = self.sharded_param.requires_grad
+        if self.unsharded_param is not None:
+            self.unsharded_param.requires_grad_(self.requires_grad)
+        register_sharded(self)
+        for p in self.places:  # tied places stay tied: they all get the new parameter
+            p.set(self.sharded_param)
+        return True
+
+    def _accept_replacement(self, new: object, fqn: str) -> nn.Parameter:
+        mesh, placements = self._spec_mesh_and_placements()
+        shape = self.tp.shape if self.tp is not None else self.shape
+        expected = f"a DTensor of global shape {tuple(shape)} with placements {placements} on mesh {mesh}"
+        if isinstance(new, DTensor):
+            if new.shape == shape and new.device_mesh == mesh and tuple(new.placements) == placements:
+                return new if isinstance(new, nn.Parameter) else nn.Parameter(new, requires_grad=self.requires_grad)
+            got = f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on mesh {new.device_mesh}"
+        elif isinstance(new, torch.Tensor) and self.tp is None and new.shape == shape:
+            # A plain full tensor: keep this rank's chunk, as fully_shard itself does.
+            self._set_dtype(new.dtype)
+            self._drop_unsharded()
+            self.requires_grad = new.requires_grad
+            return self._make_sharded_param(self._make_local_shard(new.detach()))
+        else:
+            got = "nothing (it was deleted)" if new is _MISSING or new is None else f"a {type(new).__name__} of shape {tuple(getattr(new, 'shape', ()))}"
+        raise ValueError(
+            f"parameter '{fqn}' was replaced after fully_shard by {got}; fully_shard manages it as {expected}. "
+            "Fix: assign a tensor of that global shape and layout (a state dict taken from a model sharded the "
+            "same way, or distribute_tensor(full, mesh, placements)), or a plain tensor of the full shape "
+            f"{tuple(shape)} (each rank keeps its chunk)."
+        )
+
+    def _rehome(self, local: torch.Tensor, adopt_device: bool) -> None:
+        if local.dtype != self.dtype:  # module.to(dtype), .double(), .half(), or an assigned tensor
+            self._set_dtype(local.dtype)
+            self._drop_unsharded()
         if local.is_meta:
-            return
+            return  # meta-device init: shapes only until to_empty; unshard refuses to gather it
         if local.device != self.shard_device and not (adopt_device and self.offload):
             where = "CPUOffloadPolicy keeps its shard on cpu" if self.offload else f"its mesh computes on {self.info.device}"
             raise RuntimeError(
-                f"parameter {self.fqn} is on {local.device} after fully_shard, but {where}. Fix: move the "
+                f"parameter {self.path} is on {local.device} after fully_shard, but {where}. Fix: move the "
                 f"module before fully_shard, or to_empty(device='{self.info.device}') a meta-initialised one "
                 "(fully_shard keeps offloaded shards on the host)."
             )
-        if self.padded_shard is not None and not self.padded_shard.is_meta and _same_storage(local, self.padded_shard):
+        padded = self.padded_shard
+        if padded is not None and not padded.is_meta and padded.dtype == local.dtype and _same_storage(local, padded):
             return
         if self.shard_dim != 0:
             if local.device != self.shard_device or (self.pin_memory and not local.is_pinned()):
@@ -414,6 +505,15 @@ class FSDPParam:
         padded[local.shape[0] :].zero_()
         self.padded_shard = padded
         self.sharded_param._local_tensor = padded[: local.shape[0]]  # type: ignore[attr-defined]
+
+    def _drop_unsharded(self) -> None:
+        """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
+        assert self.state is ShardedState.SHARDED, f"parameter {self.fqn} changed while unsharded"
+        self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
+        self.unsharded_param = None
+
+
+_MISSING = object()
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

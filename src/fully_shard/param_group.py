@@ -61,12 +61,9 @@ class FSDPParamGroup:
         self.params = params
         for p in params:
             p.group = self
-        self.trainable = [p for p in params if p.requires_grad]
         self.info = info
         self.fqn = fqn
-        param_dtypes = {p.param_dtype for p in params}
-        # The all-gather moves bytes; traces show the dtype when the group has one.
-        self.all_gather_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else torch.uint8
+        self.refresh()
         self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
         self.phase = TrainingPhase.IDLE
         self.sharded_state = ShardedState.SHARDED
@@ -87,6 +84,30 @@ class FSDPParamGroup:
         self.offload_events: list[torch.Event] = []
         # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
         self.requires_all_reduce = True
+
+    def refresh(self) -> None:
+        """Re-derive what the group reads off its parameters (after one was replaced or converted)."""
+        self.trainable = [p for p in self.params if p.requires_grad]
+        param_dtypes = {p.param_dtype for p in self.params}
+        # The all-gather moves bytes; traces show the dtype when the group has one.
+        self.all_gather_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else torch.uint8
+
+    def sync_params(self, adopt_device: bool = False) -> None:
+        """Take over parameters that were replaced or converted while sharded (see
+        `FSDPParam.sync_with_module`), and refuse to gather any still on the meta device."""
+        changed = False
+        for p in self.params:
+            changed |= p.sync_with_module(adopt_device)
+        if not changed:
+            return
+        self.refresh()
+        on_meta = [p.path for p in self.params if p.local_shard.is_meta]
+        if on_meta and not adopt_device:
+            raise RuntimeError(
+                f"fully_shard group {self.fqn or '<root>'}: parameters {on_meta} are still on the meta device, so "
+                "there is nothing to compute with. Fix: after fully_shard, call model.to_empty(device=...) and then "
+                "initialise them (model.reset_parameters(), or set_model_state_dict / load_state_dict)."
+            )
 
     def __repr__(self) -> str:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
@@ -123,6 +144,9 @@ class FSDPParamGroup:
             self.reshard()
         if self.is_unsharded or self._all_gather is not None:
             return
+        if self.sharded_state is ShardedState.SHARDED:
+            with torch.no_grad():
+                self.sync_params()
         comm = self._comm()
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             # Gather back from the smaller group's shares; they came from the last full gather,
@@ -191,9 +215,10 @@ class FSDPParamGroup:
 
     def is_stale(self) -> bool:
         """Whether a shard changed since this group was gathered (e.g. an optimizer step after a
-        forward whose backward never ran): the unsharded parameters must not be used then."""
+        forward whose backward never ran) or a parameter was replaced (``load_state_dict(...,
+        assign=True)``): the unsharded parameters must not be used then."""
         holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
-        return holds_copy and self._gathered_versions != self._shard_versions()
+        return holds_copy and (self._gathered_versions != self._shard_versions() or any(p.replaced() for p in self.params))
 
     # -- reshard ---------------------------------------------------------------------------------
 

@@ -226,8 +226,6 @@ class FSDPState:
             if _is_int_setting(self.reshard_after_forward):
                 self.group.post_forward = ctx.post_forward_group(self.info, int(self.reshard_after_forward))
             self.group.fqn = fqn
-            for p in self.group.params:
-                p.check_shard_is_ours()
 
     def resolve_reshard_after_forward(self) -> None:
         setting = self.settings.reshard_after_forward

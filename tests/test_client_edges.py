@@ -1,0 +1,205 @@
+"""What real client code (transformers, accelerate, torchtitan) does to a model after
+``fully_shard``: assigning parameters, converting dtypes, slicing containers, meta init. Each case
+is checked against a single-process float64 reference (world 1, 2 and 4)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from _parity import TOL64, _mlp_loss, _train_pair, make_mlp, mlp_batch, shard_mlp
+from rank_utils import cpu_mesh, world
+
+WORLDS = [1, 2, 4]
+
+
+def _forward_diff(model: nn.Module, ref: nn.Module, step: int = 0) -> float:
+    """Max difference between the sharded model's output on this rank's rows and the reference's."""
+    rank, w = world()
+    x, _ = mlp_batch(step)
+    with torch.no_grad():
+        return (model(x.chunk(w)[rank]) - ref(x).chunk(w)[rank]).abs().max().item()
+
+
+def _other_weights() -> nn.Sequential:
+    """The parity MLP with other values (another seed)."""
+    torch.manual_seed(1)
+    other = make_mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.copy_(torch.randn_like(p))
+    return other
+
+
+# -- assigned parameters -----------------------------------------------------------------------
+
+
+def _assign(how: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from fully_shard import fully_shard
+
+    rank, _ = world()
+    new = _other_weights()
+    ref = copy.deepcopy(new)
+    if how == "broadcast_from_rank0_on_meta":
+        with torch.device("meta"):
+            model = make_mlp()
+    else:
+        model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    model(mlp_batch(0)[0]) if how != "broadcast_from_rank0_on_meta" else None  # ran once with the old weights
+    if how == "load_state_dict_assign":
+        donor = copy.deepcopy(new)
+        shard_mlp(donor, "nested", True, fully_shard)
+        model.load_state_dict(donor.state_dict(), assign=True)
+    elif how == "attribute_dtensor":
+        mesh = cpu_mesh()
+        for (name, _), p in zip(list(model.named_parameters()), new.parameters()):
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])))
+    elif how == "attribute_full_tensor":
+        for (name, _), p in zip(list(model.named_parameters()), new.parameters()):
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(p.detach().clone()))
+    elif how == "broadcast_from_rank0_on_meta":
+        full = new.state_dict() if rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    forward = _forward_diff(model, ref)
+    placements_ok = all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+    trained = _train_pair(model, ref, mlp_batch, _mlp_loss, 3)
+    return {"forward": forward, "placements_ok": placements_ok, **trained}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize(
+    "how", ["load_state_dict_assign", "attribute_dtensor", "attribute_full_tensor", "broadcast_from_rank0_on_meta"]
+)
+def test_assigned_parameters_take_effect_at_the_next_forward(ranks, world_size, how):
+    for r in ranks(world_size).run(_assign, how):
+        print(f"{how}: forward diff {r['forward']:.1e}, after 3 steps {r['param_diff']:.1e}")
+        assert r["forward"] <= TOL64 and r["placements_ok"], r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+def _bad_assignment(kind: str) -> str:
+    from torch.distributed.tensor import Replicate
+
+    from fully_shard import fully_shard
+
+    model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    target = model[0][0]
+    if kind == "shape":
+        target.weight = nn.Parameter(torch.zeros(5, 7, dtype=torch.float64))
+    else:
+        target.weight = nn.Parameter(distribute_tensor(torch.zeros(13, 7, dtype=torch.float64), cpu_mesh(), [Replicate()]))
+    try:
+        model(mlp_batch(0)[0])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["shape", "placement"])
+def test_a_replacement_of_the_wrong_shape_or_placement_is_refused(ranks, kind):
+    for message in ranks(2).run(_bad_assignment, kind):
+        assert "'0.0.weight'" in message and "replaced after fully_shard" in message and "Fix:" in message, message
+        assert "(13, 7)" in message, message
+
+
+# -- module.to(dtype) --------------------------------------------------------------------------
+
+
+def _to_dtype(how: str) -> dict:
+    from fully_shard import fully_shard
+
+    model = make_mlp(torch.float32)
+    ref = copy.deepcopy(model).double()
+    shard_mlp(model, "nested", True, fully_shard)
+    model(mlp_batch(0, torch.float32)[0])  # ran in float32 first
+    getattr(model, how)() if how != "to" else model.to(torch.float64)
+    dtypes = sorted({str(p.to_local().dtype) for p in model.parameters()})
+    return {"dtypes": dtypes, **_train_pair(model, ref, mlp_batch, _mlp_loss, 3)}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("how", ["to", "double"])
+def test_module_to_dtype_after_fully_shard(ranks, world_size, how):
+    for r in ranks(world_size).run(_to_dtype, how):
+        assert r["dtypes"] == ["torch.float64"], r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+def _half() -> dict:
+    from fully_shard import fully_shard
+
+    model = make_mlp(torch.float32)
+    shard_mlp(model, "nested", True, fully_shard)
+    model.half()
+    dtypes = sorted({str(p.to_local().dtype) for p in model.parameters()})
+    out = model(mlp_batch(0, torch.float16)[0])
+    return {"dtypes": dtypes, "out": str(out.dtype)}
+
+
+def test_module_half_after_fully_shard(ranks):
+    for r in ranks(2).run(_half):
+        assert r["dtypes"] == ["torch.float16"] and r["out"] == "torch.float16", r
+
+
+# -- module classes ----------------------------------------------------------------------------
+
+
+def _slice() -> dict:
+    from fully_shard import FSDPModule, fully_shard
+
+    model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    head = model[:2]
+    return {
+        "type": type(head).__name__,
+        "sharded": isinstance(head, FSDPModule),
+        "children_same": all(a is b for a, b in zip(head, list(model)[:2])),
+        "len": len(head),
+    }
+
+
+def test_slicing_a_sharded_sequential_gives_a_plain_sequential(ranks):
+    for r in ranks(2).run(_slice):
+        assert r == {"type": "Sequential", "sharded": False, "children_same": True, "len": 2}, r
+
+
+def test_fully_shard_refuses_a_module_without_forward():
+    from fake_world import fake_world
+    from fully_shard import fully_shard
+
+    for container in (nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)]), nn.ModuleDict({"a": nn.Linear(3, 3)})):
+        with fake_world(2) as mesh:
+            with pytest.raises(ValueError, match="has no forward of its own") as info:
+                fully_shard(container, mesh=mesh)
+        assert "fully_shard(list(" in str(info.value) and type(container).__name__ in str(info.value)
+        assert type(container) in (nn.ModuleList, nn.ModuleDict)  # untouched
+        assert all(not isinstance(p, DTensor) for p in container.parameters())
+
+
+def _meta_forward() -> str:
+    from fully_shard import fully_shard
+
+    with torch.device("meta"):
+        model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    try:
+        model(mlp_batch(0)[0])
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_meta_parameters_at_the_first_forward_are_named(ranks):
+    for message in ranks(2).run(_meta_forward):
+        # The root's forward runs first: its parameters are the first ones named.
+        assert "meta device" in message and "to_empty" in message and "['3.weight', '3.bias']" in message, message
