@@ -203,3 +203,47 @@ def test_meta_parameters_at_the_first_forward_are_named(ranks):
     for message in ranks(2).run(_meta_forward):
         # The root's forward runs first: its parameters are the first ones named.
         assert "meta device" in message and "to_empty" in message and "['3.weight', '3.bias']" in message, message
+
+
+# -- PyTorch's own policy objects ------------------------------------------------------------------
+
+
+def _torch_policies() -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from _parity import max_abs_diff
+    from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    rank, w = world()
+    bf16 = torch.bfloat16
+    policies = {
+        "torch_objects": (TorchMP(param_dtype=bf16, reduce_dtype=torch.float32), TorchOffload(pin_memory=False)),
+        "ours": (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32), CPUOffloadPolicy(pin_memory=False)),
+    }
+    models = {name: make_mlp(torch.float32) for name in (*policies, "torch_fully_shard")}
+    for name, (mp, offload) in policies.items():
+        shard_mlp(models[name], "nested", True, lambda m, **kw: fully_shard(m, mp_policy=mp, offload_policy=offload, **kw))
+    mp, offload = policies["torch_objects"]
+    shard_mlp(models["torch_fully_shard"], "nested", True, lambda m, **kw: torch_fully_shard(m, mp_policy=mp, offload_policy=offload, **kw))
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-2) for name, m in models.items()}
+    for step in range(3):
+        x, y = mlp_batch(step, torch.float32)
+        for name, m in models.items():
+            _mlp_loss(m, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+    group = models["torch_objects"][0].__dict__["_fsdp_state"].group
+    return {
+        "param_dtype": str(group.params[0].param_dtype),
+        "offload": group.params[0].offload,
+        "vs_ours": max_abs_diff(models["torch_objects"], models["ours"]),
+        "vs_torch": max_abs_diff(models["torch_objects"], models["torch_fully_shard"]),
+    }
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_pytorch_policy_objects_are_converted(ranks, world_size):
+    for r in ranks(world_size).run(_torch_policies):
+        assert r == {"param_dtype": "torch.bfloat16", "offload": True, "vs_ours": 0.0, "vs_torch": 0.0}, r

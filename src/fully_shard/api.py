@@ -14,7 +14,7 @@ from .discovery import check_params, find_params, is_sharded_module, move_buffer
 from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 from .registry import register_original
 from .debug import attach_active_traces
 from .state import FSDPState
@@ -248,7 +248,8 @@ def fully_shard(
             for backward). ``None``: ``True``, except for the root, which keeps them. An ``int``
             ``k`` dividing the shard world size: after forward keep the parameters sharded over
             groups of ``k`` consecutive ranks (e.g. one node), so backward all-gathers within them.
-        mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy` (shards,
+        mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy` (PyTorch's
+            FSDP2 policy objects are accepted and converted; shards,
             gradients and optimizer state on the host; each all-gather copies the shard to the
             device; on a CPU mesh it changes nothing).
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
@@ -258,7 +259,8 @@ def fully_shard(
     Returns the module (or list), whose class now also derives from `FSDPModule`.
     """
     modules = _as_module_list(module)
-    _check_options(reshard_after_forward, mp_policy, offload_policy)
+    mp_policy = as_mp_policy(mp_policy)
+    offload_policy = as_offload_policy(offload_policy)
     info = mesh_info(mesh)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
@@ -312,15 +314,6 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in one list; pass each module once.")
     return modules
-
-
-def _check_options(
-    reshard_after_forward: Union[bool, int, None], mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
-) -> None:
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}.")
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}.")
 
 
 def _ignored_ids(ignored_params: Optional[set[nn.Parameter]]) -> set[int]:

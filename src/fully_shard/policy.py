@@ -64,3 +64,46 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
             raise ValueError(f"CPUOffloadPolicy.pin_memory must be a bool, got {self.pin_memory!r}.")
+
+
+def _is_torch_policy(obj: object, name: str) -> bool:
+    """PyTorch's own FSDP2 policy class of that name, recognised without importing its package."""
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.split(".")[:2] == ["torch", "distributed"]
+
+
+def _class_path(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    """Ours as is; PyTorch's ``MixedPrecisionPolicy`` converted field by field; else refused."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if _is_torch_policy(policy, "MixedPrecisionPolicy"):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,  # type: ignore[attr-defined]
+            reduce_dtype=policy.reduce_dtype,  # type: ignore[attr-defined]
+            output_dtype=policy.output_dtype,  # type: ignore[attr-defined]
+            cast_forward_inputs=policy.cast_forward_inputs,  # type: ignore[attr-defined]
+        )
+    raise TypeError(
+        f"mp_policy must be a fully_shard.policy.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
+        f"converted too), got {_class_path(policy)}. Fix: pass fully_shard.MixedPrecisionPolicy(param_dtype=..., "
+        "reduce_dtype=...)."
+    )
+
+
+def as_offload_policy(policy: object) -> OffloadPolicy:
+    """Ours as is; PyTorch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` converted; else refused."""
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    if _is_torch_policy(policy, "CPUOffloadPolicy"):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)  # type: ignore[attr-defined]
+    if _is_torch_policy(policy, "OffloadPolicy"):
+        return OffloadPolicy()
+    raise TypeError(
+        f"offload_policy must be a fully_shard.policy.OffloadPolicy or fully_shard.policy.CPUOffloadPolicy "
+        f"(PyTorch's FSDP2 ones are converted too), got {_class_path(policy)}. Fix: pass "
+        "fully_shard.CPUOffloadPolicy() to keep shards on the host, or leave it out."
+    )
