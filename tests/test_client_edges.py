@@ -247,3 +247,76 @@ def _torch_policies() -> dict:
 def test_pytorch_policy_objects_are_converted(ranks, world_size):
     for r in ranks(world_size).run(_torch_policies):
         assert r == {"param_dtype": "torch.bfloat16", "offload": True, "vs_ours": 0.0, "vs_torch": 0.0}, r
+
+
+# -- copy.deepcopy -------------------------------------------------------------------------------
+
+
+def _deepcopy_ema() -> dict:
+    from fully_shard import FSDPModule, fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    _train_pair(model, ref, mlp_batch, _mlp_loss, 2)  # the original has trained: it has grads and state
+    ema, ref_ema = copy.deepcopy(model), copy.deepcopy(ref)
+    x, _ = mlp_batch(7)
+    with torch.no_grad():
+        same_output = torch.equal(ema(x.chunk(w)[rank]), model(x.chunk(w)[rank]))
+    distinct = all(
+        a is not b and a.to_local().untyped_storage().data_ptr() != b.to_local().untyped_storage().data_ptr()
+        for a, b in zip(ema.parameters(), model.parameters())
+    )
+    structure = isinstance(ema[0], FSDPModule) and ema[0]._get_fsdp_state() is not model[0]._get_fsdp_state()
+    # Train the original on; the copy follows as an exponential moving average, like the reference's.
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        xb, yb = mlp_batch(10 + step)
+        _mlp_loss(model, xb.chunk(w)[rank], yb.chunk(w)[rank]).backward()
+        _mlp_loss(ref, xb, yb).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            for pe, p in zip(ema.parameters(), model.parameters()):
+                pe.lerp_(p, 0.25)
+            for pe, p in zip(ref_ema.parameters(), ref.parameters()):
+                pe.lerp_(p, 0.25)
+    from rank_utils import max_param_diff
+
+    ema_diff = max_param_diff(ema, ref_ema)
+    # And the copy trains on its own, like a copy of the reference.
+    trained = _train_pair(ema, ref_ema, mlp_batch, _mlp_loss, 3)
+    return {"same_output": same_output, "distinct": distinct, "structure": structure, "ema_diff": ema_diff,
+            "original_diff": max_param_diff(model, ref), **trained}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_deepcopy_gives_an_independent_sharded_model_for_ema(ranks, world_size):
+    for r in ranks(world_size).run(_deepcopy_ema):
+        print(r)
+        assert r["same_output"] and r["distinct"] and r["structure"], r
+        assert r["ema_diff"] <= TOL64 and r["original_diff"] <= TOL64, r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+def _deepcopy_mid_iteration() -> str:
+    from fully_shard import fully_shard
+
+    model = make_mlp()
+    shard_mlp(model, "nested", False, fully_shard)
+    loss = _mlp_loss(model, *mlp_batch(0))
+    try:
+        copy.deepcopy(model)
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        message = "no error"
+    loss.backward()  # the original is unharmed
+    return message
+
+
+def test_deepcopy_mid_iteration_is_refused(ranks):
+    for message in ranks(2).run(_deepcopy_mid_iteration):
+        assert "copy.deepcopy of a sharded model" in message and "Fix:" in message, message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -53,6 +54,19 @@ class FSDPModule:
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPModule":
+        """An independent sharded module on the same mesh (PyTorch's fully_shard refuses this):
+        e.g. an EMA copy of a sharded model. The runtime state is copied first, so each sharded
+        parameter is copied its own way (see `FSDPParam.__deepcopy__`); the copy finds its own root
+        at its first forward."""
+        new = super().__new__(type(self))
+        memo[id(self)] = new
+        state = copy.deepcopy(self.__dict__["_fsdp_state"], memo)
+        fields = {k: v for k, v in self.__dict__.items() if k != "_fsdp_state"}
+        new.__dict__.update(copy.deepcopy(fields, memo))
+        new.__dict__["_fsdp_state"] = state
+        return new
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,9 @@ class MeshInfo:
     device: torch.device
     replicate_group: Optional[dist.ProcessGroup] = None
     replicate_size: int = 1
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "MeshInfo":
+        return self  # immutable, and names the shared mesh and process groups a copy runs on too
 
     @property
     def is_hsdp(self) -> bool:
@@ -106,6 +109,9 @@ class PostForwardGroup:
     group: dist.ProcessGroup
     size: int
     rank: int
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "PostForwardGroup":
+        return self  # a shared process group
 
 
 def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:

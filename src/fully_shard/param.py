@@ -40,8 +40,9 @@ do not bump the version autograd recorded when it saved the parameter.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn as nn
@@ -49,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .copying import copy_fields, refuse_busy
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -78,6 +80,9 @@ class ParamPlace:
 @dataclass(frozen=True)
 class TPSpec:
     """How a tensor-parallel parameter was distributed before ``fully_shard`` saw it."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TPSpec":
+        return self  # immutable, and names a shared mesh
 
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -146,6 +151,36 @@ class FSDPParam:
         register_sharded(self)
         for place in places:
             place.set(self.sharded_param)
+
+    def precopy(self, memo: dict[int, Any]) -> None:
+        """Deepcopy, first step: copy the sharded parameter (and its padded storage) into ``memo``
+        before anything leads deepcopy to the modules holding it. Tensor.__deepcopy__ cannot copy
+        it there: its .grad is a DTensor over a reduce-scatter output at an offset."""
+        if id(self.sharded_param) in memo:
+            return
+        padded = self.padded_shard.clone() if self.padded_shard is not None else None
+        local = padded[: self.n_local] if padded is not None else self.local_shard.clone()
+        param = self._make_sharded_param(local)
+        param.__dict__.update(copy.deepcopy(self.sharded_param.__dict__, memo))
+        if self.sharded_param.grad is not None:
+            param.grad = self.sharded_param.grad.clone()
+        memo[id(self.sharded_param)] = param
+        if self.padded_shard is not None:
+            memo[id(self.padded_shard)] = padded
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParam":
+        if self.state is not ShardedState.SHARDED:
+            refuse_busy(f"parameter {self.path}", "is unsharded")
+        self.precopy(memo)
+        param = memo[id(self.sharded_param)]
+        # The unsharded buffers are resized to nothing between steps (deepcopy cannot copy such a
+        # tensor); the copy makes its own at its first unshard.
+        new = copy_fields(
+            self, memo, _seen_local=param._local_tensor, unsharded_param=None,
+            padded_unsharded=torch.empty(0, dtype=self.param_dtype, device=self.info.device),
+        )
+        register_sharded(new)
+        return new
 
     def _path(self, fqn: str) -> str:
         """``fqn`` (relative to the fully_shard call's module) from the root, once lazy init named it."""

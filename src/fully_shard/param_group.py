@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.profiler import record_function
 
 from . import collectives
 from .comm import CommContext, Pending
+from .copying import copy_fields, refuse_busy
 from .mesh import MeshInfo, PostForwardGroup
 from .lifecycle import GROUP_STATES, PHASES, ShardedState, TrainingPhase, advance
 from .param import FSDPParam
@@ -84,6 +85,14 @@ class FSDPParamGroup:
         self.offload_events: list[torch.Event] = []
         # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
         self.requires_all_reduce = True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
+        if self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None or self.offload_events:
+            refuse_busy(f"group {self.fqn or '<root>'}", "holds unsharded parameters or work in flight")
+        for p in self.params:
+            p.precopy(memo)
+        # comm: the copy's root gives it streams at lazy init.
+        return copy_fields(self, memo, comm=None, forward_users=set(), phase=TrainingPhase.IDLE, _post_forward_shard=None)
 
     def refresh(self) -> None:
         """Re-derive what the group reads off its parameters (after one was replaced or converted)."""

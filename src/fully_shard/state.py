@@ -15,6 +15,8 @@ Hook map (each hook is a thin adapter to a named method):
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 from typing import Any, Optional, Sequence, Union
 
@@ -27,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from dataclasses import dataclass
 
 from .comm import CommContext
+from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
@@ -191,6 +194,16 @@ class FSDPState:
         self._signals_pending = 0
         # List form: members that finished forward since the group last unsharded.
         self._members_done: set[int] = set()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
+        if self.ctx is not None and (self.ctx.pending_reduce is not None or self.ctx.final_callback_queued):
+            refuse_busy(f"module {self.fqn or '<root>'}", "is between forward and the end of its backward")
+        for group in self.groups:  # before `modules` leads deepcopy to the parameters (FSDPParam.precopy)
+            for p in group.params:
+                p.precopy(memo)
+        # The copy finds its own root at its first forward; an event belongs to the original's stream.
+        settings = copy.deepcopy(dataclasses.replace(self.settings, post_optim_event=None), memo)
+        return copy_fields(self, memo, ctx=None, is_root=False, settings=settings, _signals_pending=0, _members_done=set())
 
     # -- lazy init -------------------------------------------------------------------------------
 

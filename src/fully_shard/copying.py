@@ -1,0 +1,30 @@
+"""``copy.deepcopy`` of a sharded model: an independent sharded model on the same mesh.
+
+Each runtime object copies its fields, except those that describe one iteration in flight
+(fresh in the copy) and those that name shared resources (meshes, process groups: the copy uses
+the same ones, so it communicates with the same ranks). The copy finds its own root at its first
+forward, like a freshly sharded model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def copy_fields(obj: T, memo: dict[int, Any], **fresh: Any) -> T:
+    """A new ``type(obj)`` whose fields are deep copies of ``obj``'s, but ``fresh``'s given values."""
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    for name, value in obj.__dict__.items():
+        new.__dict__[name] = fresh[name] if name in fresh else copy.deepcopy(value, memo)
+    return new
+
+
+def refuse_busy(what: str, why: str) -> None:
+    raise RuntimeError(
+        f"copy.deepcopy of a sharded model: {what} {why}, so its state is mid-iteration. Fix: deepcopy between "
+        "steps (after backward, or after a forward under torch.no_grad()), or call reshard() on the model first."
+    )
