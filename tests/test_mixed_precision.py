@@ -321,3 +321,50 @@ def test_bf16_reduction(ranks, world_size):
         print(f"world {world_size} |loss - torch fully_shard| per step: " + " ".join(f"{d:.1e}" for d in r["diffs"]))
         assert r["rs_dtypes"] == ["torch.bfloat16"] and r["grad_dtypes"] == ["torch.float32"], r
         assert max(r["diffs"]) == 0.0 and r["param_vs_torch"] == 0.0, r
+
+
+def _force_sum(reduce_dtype) -> dict:
+    """set_force_sum_reduction_for_comms(True): SUM collectives, our division around them (traced);
+    training equals PyTorch's fully_shard with the same setting, and our default, bit for bit (on
+    gloo the default sums too; powers of two divide exactly)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from _parity import max_abs_diff
+    from fully_shard import MixedPrecisionPolicy, debug, fully_shard
+
+    rank, w = world()
+    models = {}
+    for name, shard_fn, cls in (("forced", fully_shard, MixedPrecisionPolicy), ("default", fully_shard, MixedPrecisionPolicy),
+                                ("torch_forced", torch_fully_shard, TorchMP)):
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(n_layers=2))
+        mp = cls(param_dtype=BF16, reduce_dtype=reduce_dtype)
+        for layer in model.layers:
+            shard_fn(layer, mesh=cpu_mesh(), mp_policy=mp)
+        shard_fn(model, mesh=cpu_mesh(), mp_policy=mp)
+        if name != "default":
+            model.set_force_sum_reduction_for_comms(True)
+        models[name] = model
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for name, m in models.items()}
+    for step in range(3):
+        x, y = synthetic_batch(step, 8, 16, 101)
+        for name, model in models.items():
+            with debug.trace() as t:
+                loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank]).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+            if name == "forced":
+                reductions = sorted({(r.reduce_op, r.pre_divide, r.post_divide) for r in t.select(op="reduce_scatter")})
+    return {"reductions": reductions, "vs_torch": max_abs_diff(models["forced"], models["torch_forced"]),
+            "vs_default": max_abs_diff(models["forced"], models["default"])}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("reduce_dtype", [BF16, torch.float32])
+def test_force_sum_reduction_for_comms(ranks, world_size, reduce_dtype):
+    # bf16 divides by the largest power of two <= sqrt(W) before the sum, the rest after; fp32 after.
+    before = 2.0 if (reduce_dtype == BF16 and world_size == 4) else 1.0
+    for r in ranks(world_size).run(_force_sum, reduce_dtype):
+        assert r["reductions"] == [("sum", before, world_size / before)], r
+        assert r["vs_torch"] == 0.0 and r["vs_default"] == 0.0, r

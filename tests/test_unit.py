@@ -111,11 +111,40 @@ def test_importing_does_not_initialise_an_accelerator():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-@pytest.mark.parametrize("factor", [1, 2, 3, 4, 8, 16, 1000])
-def test_low_precision_divide_split(factor):
-    from fully_shard.param_group import _split_divide_factor
+# factor -> (before, after) for a low-precision reduction: before is the largest power of two
+# <= sqrt(factor) (dividing by it is exact), after the rest.
+SPLITS = {1: (1.0, 1.0), 2: (1.0, 2.0), 3: (1.0, 3.0), 4: (2.0, 2.0), 8: (2.0, 4.0), 16: (4.0, 4.0), 1000: (16.0, 62.5)}
 
-    before, after = _split_divide_factor(float(factor), torch.bfloat16)
-    assert before * after == pytest.approx(factor)
-    assert before >= 1 and before * before <= factor and (before & (before - 1) == 0 if isinstance(before, int) else float(before).is_integer())
-    assert _split_divide_factor(float(factor), torch.float32) == (1.0, float(factor))  # fp32: all after
+
+@pytest.mark.parametrize("factor", sorted(SPLITS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_divide_split(factor, dtype):
+    from fully_shard.collectives import split_divide_factor
+
+    assert split_divide_factor(float(factor), dtype) == SPLITS[factor]
+    for wide in (torch.float32, torch.float64):  # divided once, after the sum
+        assert split_divide_factor(float(factor), wide) == (1.0, float(factor))
+
+
+@pytest.mark.parametrize("force_sum", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_reduction_plan(force_sum, dtype):
+    """NCCL averages fp32/bf16 in-kernel unless forced to sum; everything else sums and divides."""
+    import torch.distributed as dist
+
+    from fully_shard.collectives import plan_reduction
+
+    nccl = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=True, force_sum=force_sum)
+    gloo = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=False, force_sum=force_sum)
+    split = (2.0, 4.0) if dtype in (torch.bfloat16, torch.float16) else (1.0, 8.0)
+    assert (gloo.name, gloo.op, gloo.all_reduce_op, (gloo.before, gloo.after)) == ("sum", dist.ReduceOp.SUM, dist.ReduceOp.SUM, split)
+    if force_sum or dtype in (torch.float16, torch.float64):
+        assert nccl == gloo
+    else:
+        assert (nccl.name, nccl.op, nccl.all_reduce_op, nccl.before, nccl.after) == ("avg", dist.ReduceOp.AVG, dist.ReduceOp.AVG, 1.0, 1.0)
+        # A custom divide factor: AVG over the shard ranks when it equals them, else PreMulSum.
+        assert plan_reduction(4.0, dtype, 4, 8, True, False).name == "avg"
+        premul = plan_reduction(3.0, dtype, 4, 8, True, False)
+        assert (premul.name, premul.all_reduce_op, premul.before, premul.after) == ("premul_sum", dist.ReduceOp.SUM, 1.0, 1.0)
+    # One shard rank: the reduce-scatter (and a division inside it) is skipped, so we divide.
+    assert plan_reduction(2.0, dtype, 1, 2, True, False).name == "sum"

@@ -167,9 +167,15 @@ class FSDPModule:
                 state.group.requires_all_reduce = value
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
-        """Accepted for API parity: this library always reduces with SUM and divides itself, so
-        the collectives use sum-type reductions whatever this is set to."""
-        _check_bool("enable", enable)
+        """``True``: every gradient reduction is a SUM collective, with the division done by us
+        before (low precision: the largest power of two <= sqrt(factor)) and after it, as on
+        backends without AVG / PreMulSum. ``False`` (default): on NCCL, fp32 and bf16 gradients are
+        averaged in-kernel (AVG, or PreMulSum for a custom divide factor); gloo always sums. Traces
+        show the choice (``CollectiveRecord.reduce_op`` / ``pre_divide`` / ``post_divide``)."""
+        value = _check_bool("enable", enable)
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.force_sum_reduction = value
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose

@@ -9,7 +9,9 @@ with the sum of row ``r``.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,15 +63,57 @@ def reduce_scatter_copy_in(
     return flat.view(-1)
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """How gradients are averaged: divide by ``before``, reduce-scatter with ``op``, all-reduce
+    across HSDP replicas with ``all_reduce_op``, divide by ``after``. ``name`` is what traces show."""
+
+    before: float
+    op: Any
+    all_reduce_op: Any
+    after: float
+    name: str
+
+
+def split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after) the sum. Low-precision sums divide part of the way first (the largest
+    power of two <= sqrt(factor): exact) so the sum of ``W`` gradients cannot overflow, and the
+    rest after so small values do not underflow. Wider dtypes divide once, after."""
+    if dtype not in (torch.float16, torch.bfloat16) or factor <= 1:
+        return 1.0, factor
+    before = 2.0 ** math.floor(math.log2(math.sqrt(factor)))
+    return before, factor / before
+
+
+def plan_reduction(
+    factor: float, dtype: torch.dtype, rs_size: int, dp_size: int, native_avg: bool, force_sum: bool
+) -> Reduction:
+    """Choose the reduction of one reduce-scatter (+ HSDP all-reduce) dividing by ``factor``.
+
+    Backends with in-kernel averaging (``native_avg``: NCCL) average fp32 and bf16 there, with no
+    separate division kernels: AVG when dividing by the ranks, else PreMulSum(1 / factor).
+    ``force_sum`` (set_force_sum_reduction_for_comms), other dtypes and other backends: SUM, with
+    the division done by us around it (see `split_divide_factor`).
+    """
+    sum_op = dist.ReduceOp.SUM
+    # rs_size > 1: with one shard rank the reduce-scatter is skipped, and its division with it.
+    if native_avg and not force_sum and dtype in (torch.float32, torch.bfloat16) and rs_size > 1:
+        if factor == dp_size:
+            return Reduction(1.0, dist.ReduceOp.AVG, dist.ReduceOp.AVG, 1.0, "avg")
+        if factor == rs_size:
+            return Reduction(1.0, dist.ReduceOp.AVG, sum_op, 1.0, "avg")
+        return Reduction(1.0, dist._make_nccl_premul_sum(1.0 / factor), sum_op, 1.0, "premul_sum")
+    before, after = split_divide_factor(factor, dtype)
+    return Reduction(before, sum_op, sum_op, after, "sum")
+
+
 def reduce_scatter(
-    output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: Any
 ) -> Optional[dist.Work]:
-    # SUM, then divide by the world size ourselves: gloo has no AVG for every dtype, and the
-    # division point is where low-precision reductions will need control.
-    return _reduce_scatter_flat(output, rs_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """HSDP: sum the replicas' reduce-scatter outputs. Synchronous on CPU (it runs when the
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> None:
+    """HSDP: combine the replicas' reduce-scatter outputs. Synchronous on CPU (it runs when the
     reduce-scatter is waited for); stream-ordered on accelerators."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(tensor, op=op, group=group)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from .collectives import Reduction
     from .debug import Trace
 
 
@@ -122,7 +123,8 @@ class CommContext:
         return stream.record_event()
 
     def record_collective(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup,
+        reduction: Optional["Reduction"] = None,
     ) -> None:
         for t in self.tracers:
-            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name)
+            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name, reduction)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 
 if TYPE_CHECKING:
+    from .collectives import Reduction
     from .comm import CommContext
 
 
@@ -44,6 +45,11 @@ class CollectiveRecord:
     nbytes: int
     group_size: int
     group_name: str
+    # Reductions: the collective's reduce op ("sum", "avg", "premul_sum") and the divisions we do
+    # around it (a reduce-scatter's ``pre_divide`` applies to its input, ``post_divide`` to the output).
+    reduce_op: str = ""
+    pre_divide: float = 1.0
+    post_divide: float = 1.0
 
 
 @dataclass(eq=False)
@@ -58,8 +64,12 @@ class Trace:
             self.step += 1
         self._started = True
 
-    def add(self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str) -> None:
-        self.records.append(CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name))
+    def add(
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
+        reduction: Optional["Reduction"] = None,
+    ) -> None:
+        extra = () if reduction is None else (reduction.name, reduction.before, reduction.after)
+        self.records.append(CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name, *extra))
 
     def select(
         self, *, op: Optional[str] = None, phase: Optional[str] = None, step: Optional[int] = None, module: Optional[str] = None

@@ -28,6 +28,7 @@ class MeshInfo:
     device: torch.device
     replicate_group: Optional[dist.ProcessGroup] = None
     replicate_size: int = 1
+    native_avg: bool = False  # the backend averages in-kernel (NCCL's AVG / PreMulSum)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "MeshInfo":
         return self  # immutable, and names the shared mesh and process groups a copy runs on too
@@ -94,6 +95,7 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
         device=mesh_device(mesh),
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
+        native_avg=dist.get_backend(mesh.get_group(shard_dim)) == "nccl",
     )
 
 

@@ -7,7 +7,6 @@ by the group; clearing it means it is done.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -29,7 +28,7 @@ class ReduceScatterPart:
     pending: Pending
     output: torch.Tensor
     params: list[FSDPParam]
-    post_divide: float  # what is left to divide by after the collective
+    plan: collectives.Reduction  # how it divides (what is left to divide by after it)
     phase: str = "backward"
     accumulated: bool = False
 
@@ -46,15 +45,6 @@ class ReduceScatterResult:
     """A group's gradient reduction in flight: usually one part, one per reduce dtype if mixed."""
 
     parts: list[ReduceScatterPart]
-
-
-def _split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float]:
-    """(before, after) the sum. Low-precision sums divide part of the way first so the sum of
-    ``W`` gradients cannot overflow, and the rest after so small values do not underflow."""
-    if dtype not in (torch.float16, torch.bfloat16) or factor <= 1:
-        return 1.0, factor
-    before = 2.0 ** math.floor(math.log2(math.sqrt(factor)))
-    return before, factor / before
 
 
 class FSDPParamGroup:
@@ -85,6 +75,8 @@ class FSDPParamGroup:
         self.offload_events: list[torch.Event] = []
         # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
         self.requires_all_reduce = True
+        # set_force_sum_reduction_for_comms: SUM collectives only, dividing ourselves (see plan_reduction).
+        self.force_sum_reduction = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
         if self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None or self.offload_events:
@@ -302,8 +294,12 @@ class FSDPParamGroup:
     ) -> ReduceScatterPart:
         comm = self._comm()
         slot = sum(p.shard_numel for p in params)
-        factor = self.info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
-        before, after = _split_divide_factor(factor, dtype)
+        info = self.info
+        factor = info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        plan = collectives.plan_reduction(
+            factor, dtype, info.world_size, info.data_parallel_size, info.native_avg, self.force_sum_reduction
+        )
+        before = plan.before
         with torch.no_grad():
             # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
             # gradients were made: they can be freed right after with no cross-stream hazard.
@@ -316,10 +312,10 @@ class FSDPParamGroup:
                     output, work = rs_input, None
                 else:
                     output = torch.empty(slot, dtype=dtype, device=self.info.device)
-                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op)
+                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op, plan.op)
                     nbytes = rs_input.numel() * rs_input.element_size()
-                    comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group)
-                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, after, phase)
+                    comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group, plan)
+                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase)
                 if comm.uses_streams:
                     # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
                     self._after_reduce_scatter(part)
@@ -353,14 +349,14 @@ class FSDPParamGroup:
                 p.pop_partial_reduce_into(reduced)
             nbytes = part.output.numel() * part.output.element_size()
             self._comm().record_collective(
-                part.phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group
+                part.phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
             )
-            collectives.all_reduce(part.output, self.info.replicate_group)
+            collectives.all_reduce(part.output, self.info.replicate_group, part.plan.all_reduce_op)
         self._accumulate(part)
 
     def _accumulate(self, part: ReduceScatterPart) -> None:
-        if part.post_divide != 1:
-            part.output.div_(part.post_divide)
+        if part.plan.after != 1:
+            part.output.div_(part.plan.after)
         for p, reduced in part.slices():
             p.accumulate_sharded_grad(reduced)
         part.accumulated = True
