@@ -6,11 +6,14 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
-from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
+from _parity import TOL64, llama64
+from llama_model import LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world
 
 STEPS = 4
+GRAPHS = 1  # both blocks share one graph (their parameters are graph inputs); none added once warm
 
 
 def _compiled_vs_eager(backend: str) -> dict:
@@ -21,9 +24,15 @@ def _compiled_vs_eager(backend: str) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
+    if backend == "inductor" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        # ATEN_CPU_CAPABILITY=default: inductor still emits at::vec code but its headers then
+        # lack it (a C++ compile error in torch, nothing of ours); scalar code sidesteps that.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.simdlen = 1
     rank, w = world()
     torch.manual_seed(0)
-    eager = Llama(LlamaConfig(n_layers=2))
+    eager = llama64(LlamaConfig(n_layers=2))  # float64: inductor's reordering stays far below TOL64
     compiled = copy.deepcopy(eager)
     for i, layer in enumerate(compiled.layers):
         compiled.layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
@@ -58,12 +67,14 @@ def test_compiled_blocks_match_eager_exactly_with_aot_eager(ranks, world_size):
     for r in ranks(world_size).run(_compiled_vs_eager, "aot_eager"):
         print(f"aot_eager world {world_size}: max |loss diff| {r['max_loss_diff']:.2e}")
         assert r["max_loss_diff"] == 0.0, r
-        assert r["graphs_after_first_step"] >= 1 and r["graphs_at_end"] == r["graphs_after_first_step"], r
+        print(f"  graphs after step 0: {r['graphs_after_first_step']}, at the end: {r['graphs_at_end']}")
+        assert r["graphs_after_first_step"] == GRAPHS and r["graphs_at_end"] == GRAPHS, r
 
 
 def test_compiled_blocks_match_eager_with_inductor(ranks):
-    """Inductor fuses and reorders float ops, so losses agree to float tolerance, not the bit."""
+    """Inductor fuses and reorders float ops, so losses agree to rounding, not the bit: in float64
+    that is far below TOL64 (derived in tests/_parity.py) on any CPU."""
     for r in ranks(2).run(_compiled_vs_eager, "inductor"):
         print(f"inductor world 2: max |loss diff| {r['max_loss_diff']:.2e}")
-        assert r["max_loss_diff"] <= 1e-4, r
-        assert r["graphs_at_end"] == r["graphs_after_first_step"], r
+        assert r["max_loss_diff"] <= TOL64, r
+        assert r["graphs_after_first_step"] == GRAPHS and r["graphs_at_end"] == GRAPHS, r

@@ -208,7 +208,7 @@ def test_clip_grad_norm_over_sharded_gradients(ranks, world_size, layout, helper
     for r in ranks(world_size).run(_clip, layout, helper):
         print(f"{layout} helper={helper}: norm rel diff {r['norm_rel_diff']:.1e}, param diff {r['param_diff']:.1e}")
         assert r["clipped"], r  # max_norm is below the real norm: clipping happened
-        assert r["norm_rel_diff"] <= 1e-5 and r["param_diff"] <= TOL64, r
+        assert r["norm_rel_diff"] <= TOL64 and r["param_diff"] <= TOL64, r  # float64 on both sides
         if layout == "two_meshes":
             print("  stock clip_grad_norm_ on two meshes:", r["stock_error"][:200])
             assert r["stock_error"], "the stock function handled two meshes: the helper's reason to exist is gone"

@@ -95,7 +95,8 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
         device=mesh_device(mesh),
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
-        native_avg=dist.get_backend(mesh.get_group(shard_dim)) == "nccl",
+        # "nccl", or "cpu:gloo,cuda:nccl" for a process group made without a backend
+        native_avg=mesh.device_type != "cpu" and "nccl" in str(dist.get_backend(mesh.get_group(shard_dim))),
     )
 
 

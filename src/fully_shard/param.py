@@ -463,7 +463,8 @@ class FSDPParam:
         if local is self._seen_local and not changed:
             return False
         self._rehome(local, adopt_device)
-        self._seen_local = self.local_shard
+        # A meta shard stays unseen: every unshard looks again (and refuses it) until it is real.
+        self._seen_local = None if local.is_meta else self.local_shard
         return True
 
     def replaced(self) -> bool:
