@@ -46,14 +46,15 @@ def _assign(how: str) -> dict:
     rank, _ = world()
     new = _other_weights()
     ref = copy.deepcopy(new)
-    if how == "broadcast_from_rank0_on_meta":
+    if how.endswith("_on_meta"):
         with torch.device("meta"):
             model = make_mlp()
     else:
         model = make_mlp()
     shard_mlp(model, "nested", True, fully_shard)
-    model(mlp_batch(0)[0]) if how != "broadcast_from_rank0_on_meta" else None  # ran once with the old weights
-    if how == "load_state_dict_assign":
+    if not how.endswith("_on_meta"):
+        model(mlp_batch(0)[0])  # ran once with the old weights
+    if how.startswith("load_state_dict_assign"):
         donor = copy.deepcopy(new)
         shard_mlp(donor, "nested", True, fully_shard)
         model.load_state_dict(donor.state_dict(), assign=True)
@@ -77,7 +78,9 @@ def _assign(how: str) -> dict:
 
 @pytest.mark.parametrize("world_size", WORLDS)
 @pytest.mark.parametrize(
-    "how", ["load_state_dict_assign", "attribute_dtensor", "attribute_full_tensor", "broadcast_from_rank0_on_meta"]
+    "how",
+    ["load_state_dict_assign", "load_state_dict_assign_on_meta", "attribute_dtensor", "attribute_full_tensor",
+     "broadcast_from_rank0_on_meta"],
 )
 def test_assigned_parameters_take_effect_at_the_next_forward(ranks, world_size, how):
     for r in ranks(world_size).run(_assign, how):
@@ -103,6 +106,24 @@ def _bad_assignment(kind: str) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def _tie_after_fully_shard() -> str:
+    from fully_shard import fully_shard
+
+    model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    model[3].bias = model[2][2].bias  # both (3,): the root's bias tied to block 2's, after sharding
+    try:
+        model(mlp_batch(0)[0])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_tying_weights_of_two_groups_after_fully_shard_is_refused(ranks):
+    for message in ranks(2).run(_tie_after_fully_shard):
+        assert "parameter '3.bias' was assigned the parameter '2.2.bias'" in message and "Fix: tie" in message, message
 
 
 @pytest.mark.parametrize("kind", ["shape", "placement"])

@@ -54,7 +54,7 @@ from .copying import copy_fields, refuse_busy
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from .registry import register_sharded
+from .registry import manager_of, register_sharded
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -495,6 +495,13 @@ class FSDPParam:
         mesh, placements = self._spec_mesh_and_placements()
         shape = self.tp.shape if self.tp is not None else self.shape
         expected = f"a DTensor of global shape {tuple(shape)} with placements {placements} on mesh {mesh}"
+        owner = manager_of(new) if isinstance(new, nn.Parameter) else None
+        if owner is not None and owner is not self:
+            raise ValueError(
+                f"parameter '{fqn}' was assigned the parameter '{owner.path}', which another fully_shard call manages "
+                "(tying weights after fully_shard). Two groups cannot share one sharded parameter. Fix: tie the "
+                "weights before fully_shard (e.g. model.tie_weights() first); fully_shard then manages them as one."
+            )
         if isinstance(new, DTensor):
             if new.shape == shape and new.device_mesh == mesh and tuple(new.placements) == placements:
                 return new if isinstance(new, nn.Parameter) else nn.Parameter(new, requires_grad=self.requires_grad)
