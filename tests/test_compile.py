@@ -4,6 +4,8 @@ the same losses as eager, and does not recompile once warm."""
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
@@ -24,12 +26,11 @@ def _compiled_vs_eager(backend: str) -> dict:
 
     torch._dynamo.reset()
     counters.clear()
-    if backend == "inductor" and torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        # ATEN_CPU_CAPABILITY=default: inductor still emits at::vec code but its headers then
-        # lack it (a C++ compile error in torch, nothing of ours); scalar code sidesteps that.
-        import torch._inductor.config as inductor_config
-
-        inductor_config.cpp.simdlen = 1
+    # Inductor's on-disk kernel cache is not keyed by ATEN_CPU_CAPABILITY: a kernel built under
+    # one setting and loaded under another gives compile errors, NaNs or heap corruption (seen
+    # with torch 2.13). One cache directory per capability keeps runs under each setting honest.
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"fully_shard_inductor_{capability}")
     rank, w = world()
     torch.manual_seed(0)
     eager = llama64(LlamaConfig(n_layers=2))  # float64: inductor's reordering stays far below TOL64

@@ -41,7 +41,7 @@ def _local_power_sum(tensors: list[torch.Tensor], norm_type: float) -> torch.Ten
     norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors])
     if norm_type == float("inf"):
         return norms.max()
-    return (norms.float() ** norm_type).sum()
+    return (norms ** norm_type).sum()  # already fp32 or wider (fp64 stays fp64)
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
