@@ -89,6 +89,35 @@ def test_assigned_parameters_take_effect_at_the_next_forward(ranks, world_size, 
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
+def _deterministic_init(model: nn.Module) -> None:
+    """An in-place init that draws no random numbers (DTensor random init differs from a single
+    process), so the sharded and the reference model start equal."""
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            nn.init.constant_(p, 0.05 * (i + 1) * (-1) ** i)
+
+
+def _to_empty_then_init() -> dict:
+    from fully_shard import fully_shard
+
+    with torch.device("meta"):
+        model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    model.to_empty(device="cpu")
+    _deterministic_init(model)
+    ref = make_mlp()
+    _deterministic_init(ref)
+    where = sorted({f"{p.to_local().device.type}:{p.to_local().dtype}" for p in model.parameters()})
+    return {"where": where, "forward": _forward_diff(model, ref), **_train_pair(model, ref, mlp_batch, _mlp_loss, 3)}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_to_empty_then_in_place_init_takes_effect(ranks, world_size):
+    for r in ranks(world_size).run(_to_empty_then_init):
+        assert r["where"] == ["cpu:torch.float64"], r
+        assert r["forward"] <= TOL64 and r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
 def _bad_assignment(kind: str) -> str:
     from torch.distributed.tensor import Replicate
 
