@@ -226,17 +226,23 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register.")
-    state = module._get_fsdp_state()
-    module.__dict__[method_name] = _as_forward(module, method, state)
+    module.__dict__[method_name] = _ForwardMethod(module, method, module._get_fsdp_state())
 
 
-def _as_forward(module: nn.Module, method: Callable[..., Any], state: FSDPState) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        return state.post_forward(module, args, method(*args, **kwargs))
+class _ForwardMethod:
+    """A method registered with `register_fsdp_forward_method`: runs between the module's
+    pre-forward and post-forward hooks. An object rather than a closure, so ``copy.deepcopy`` of
+    the model rebinds it to the copy (a closure would keep running the original's parameters)."""
 
-    return wrapped
+    def __init__(self, module: nn.Module, method: Callable[..., Any], state: FSDPState) -> None:
+        self.module = module
+        self.method = method
+        self.state = state
+        functools.update_wrapper(self, method)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self.state.pre_forward(self.module, args, kwargs)
+        return self.state.post_forward(self.module, args, self.method(*args, **kwargs))
 
 
 @functools.cache
