@@ -409,3 +409,30 @@ def _deepcopy_registered_method() -> dict:
 def test_deepcopy_rebinds_registered_forward_methods(ranks):
     for r in ranks(2).run(_deepcopy_registered_method):
         assert r["copy"] <= TOL64 and r["original_moved"] > 0.1, r
+
+
+def _deepcopy_tied() -> dict:
+    """Weights tied across two fully_shard calls stay tied in the copy, which trains like a copy of
+    the reference."""
+    from _parity import LLAMA_LR, _llama_loss, llama64, llama_batch
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = llama64()
+    ref = copy.deepcopy(model)
+    mesh = cpu_mesh()
+    fully_shard(model.tok_embeddings, mesh=mesh)
+    fully_shard(model.output, mesh=mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train_pair(model, ref, llama_batch, _llama_loss, 1, LLAMA_LR)
+    twin, ref_twin = copy.deepcopy(model), copy.deepcopy(ref)
+    out = _train_pair(twin, ref_twin, llama_batch, _llama_loss, 3, LLAMA_LR)
+    return {"tied": twin.output.weight is twin.tok_embeddings.weight, **out}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_deepcopy_keeps_weights_tied_across_calls(ranks, world_size):
+    for r in ranks(world_size).run(_deepcopy_tied):
+        assert r["tied"] and r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
