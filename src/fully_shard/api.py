@@ -18,7 +18,7 @@ from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 from .registry import register_original
 from .debug import attach_active_traces
-from .state import FSDPState
+from .state import FSDPState, fsdp_states
 
 
 class UnshardHandle:
@@ -75,12 +75,7 @@ class FSDPModule:
         if not recurse:
             yield self._get_fsdp_state()
             return
-        seen: set[int] = set()
-        for module in self.modules():  # type: ignore[attr-defined]
-            state = module.__dict__.get("_fsdp_state")
-            if state is not None and id(state) not in seen:
-                seen.add(id(state))
-                yield state
+        yield from fsdp_states([self])  # type: ignore[list-item]
 
     # -- manual unshard / reshard ----------------------------------------------------------------
 
@@ -90,7 +85,7 @@ class FSDPModule:
         A forward that follows uses these parameters (no second all-gather).
         """
         state = self._get_fsdp_state()
-        attach_active_traces(state._ctx().comm)  # lazy init, so the group knows its streams
+        attach_active_traces(state.root_context().comm)
         for group in state.groups:  # with the groups of tied parameters it uses
             group.unshard("explicit")
         handle = UnshardHandle(list(state.groups))

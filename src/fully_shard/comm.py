@@ -22,7 +22,9 @@ the stream that allocated it has waited for the user:
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
@@ -59,25 +61,44 @@ class Pending:
             torch.accelerator.current_stream().wait_event(self.event)
             self.event = None
 
-    def release_when_done(self) -> None:
-        """Drop ``keep_alive`` and the work (which holds its tensors too) as soon as the
-        collective completes, rather than when someone waits for it.
+    def release(self) -> None:
+        """Wait for the collective (if nobody has) and drop its buffers."""
+        with self._wait_lock:
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+            self.keep_alive = ()
 
-        For a CPU reduce-scatter this frees the gradient input buffer while backward computes the
-        next block, instead of one block later. Gloo's reduce-scatter work has no future to hang a
-        callback on, so a short-lived thread waits for it (``Work.wait`` releases the GIL).
-        """
-        if self.work is None:
+
+class Releaser:
+    """Drops a CPU collective's buffers as soon as it completes, rather than when someone waits.
+
+    For a CPU reduce-scatter this frees the gradient input buffer while backward computes the
+    next block, instead of one block later. Gloo's reduce-scatter work has no future to hang a
+    callback on, so a thread has to wait for it (``Work.wait`` releases the GIL). One long-lived
+    daemon thread per `CommContext`, started on first use, waits in issue order (the order gloo
+    runs them in); it holds only its queue, and stops when the `CommContext` is collected.
+    """
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Optional[Pending]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, pending: Pending) -> None:
+        if pending.work is None:
             return
+        if self._thread is None:
+            self._thread = threading.Thread(target=_drain, args=(self._queue,), name="fully_shard-release", daemon=True)
+            self._thread.start()
+        self._queue.put(pending)
 
-        def release() -> None:
-            with self._wait_lock:
-                if self.work is not None:
-                    self.work.wait()
-                    self.work = None
-                self.keep_alive = ()
+    def close(self) -> None:
+        self._queue.put(None)
 
-        threading.Thread(target=release, name="fully_shard-release", daemon=True).start()
+
+def _drain(work_queue: "queue.SimpleQueue[Optional[Pending]]") -> None:
+    while (pending := work_queue.get()) is not None:
+        pending.release()
 
 
 class CommContext:
@@ -94,6 +115,8 @@ class CommContext:
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
         # Who watches the collectives issued under this root (fully_shard.debug.trace).
         self.tracers: list["Trace"] = []
+        self.releaser = Releaser()
+        weakref.finalize(self, self.releaser.close)
 
     @property
     def async_op(self) -> bool:

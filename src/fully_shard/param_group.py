@@ -323,7 +323,7 @@ class FSDPParamGroup:
                     if any(p.offload for p in params):  # the host waits for these before the optimizer
                         self.offload_events.append(part.pending.event)
                 else:
-                    part.pending.release_when_done()
+                    comm.releaser.submit(part.pending)
         return part
 
     def finish_reduce(self, result: ReduceScatterResult) -> None:

@@ -166,6 +166,21 @@ class StateSettings:
     post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
 
 
+def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
+    """Every `FSDPState` in the subtrees of ``tops``, each once, in pre-order, with the module path
+    (from the first of ``tops``) of the module it was applied to. The one walk that finds them."""
+    paths: dict[nn.Module, str] = {}
+    for top in tops:
+        for name, module in top.named_modules():
+            paths.setdefault(module, name)
+    found: dict[FSDPState, str] = {}
+    for module in paths:
+        state = module.__dict__.get("_fsdp_state")
+        if isinstance(state, FSDPState) and state not in found:
+            found[state] = paths.get(state.modules[0], "")
+    return found
+
+
 class FSDPState:
     def __init__(
         self,
@@ -211,14 +226,8 @@ class FSDPState:
         """Make this state the root of every state in its modules' subtrees (first forward)."""
         if self.ctx is not None and self.is_root:
             return
-        names: dict[nn.Module, str] = {}
-        states: list[FSDPState] = []
-        for top in self.modules:
-            for name, module in top.named_modules():
-                names.setdefault(module, name)
-                state = module.__dict__.get("_fsdp_state")
-                if isinstance(state, FSDPState) and state not in states:
-                    states.append(state)
+        paths = fsdp_states(self.modules)
+        states = list(paths)
         device_types = {s.info.device.type for s in states}
         if len(device_types) > 1:
             raise RuntimeError(
@@ -227,7 +236,7 @@ class FSDPState:
             )
         ctx = RootContext(self, states, CommContext(self.info.device))
         for state in states:
-            state._join(ctx, is_root=state is self, fqn=names.get(state.modules[0], ""))
+            state._join(ctx, is_root=state is self, fqn=paths[state])
 
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx
@@ -245,7 +254,9 @@ class FSDPState:
         # The root's parameters are needed first in backward, so keeping them is free prefetch.
         self.reshard_after_forward = (not self.is_root) if setting is None else setting
 
-    def _ctx(self) -> RootContext:
+    def root_context(self) -> RootContext:
+        """The per-root runtime state this module runs under. Before any forward (an explicit
+        ``unshard()``, ``unsharded()``), this state lazily becomes the root of its subtree."""
         if self.ctx is None:
             self.lazy_init()
         assert self.ctx is not None
@@ -304,7 +315,7 @@ class FSDPState:
     def _start_iteration(self) -> Optional[torch.Event]:
         """Root, start of a forward: recover from a backward that died; hook up open traces;
         hand over a post-optimizer event."""
-        ctx = self._ctx()
+        ctx = self.root_context()
         if ctx.final_callback_queued and torch._C._current_autograd_node() is None:
             # The engine runs queued callbacks only when backward succeeds: this one raised.
             warnings.warn(
@@ -347,7 +358,7 @@ class FSDPState:
             if group is not None:
                 group.set_phase(TrainingPhase.IDLE)
             if grad_enabled and group is not None:
-                self._ctx().post_forward_order.append(self)
+                self.root_context().post_forward_order.append(self)
         return output
 
     def _all_members_done(self, module: nn.Module) -> bool:
@@ -389,7 +400,7 @@ class FSDPState:
     # -- backward --------------------------------------------------------------------------------
 
     def pre_backward(self, *unused: Any) -> None:
-        ctx = self._ctx()
+        ctx = self.root_context()
         ctx.queue_final_callback()
         group = self.group
         if not self.groups:
@@ -418,7 +429,7 @@ class FSDPState:
         result = self.group.post_backward(
             phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward
         )
-        self._ctx().start_reduce(self.group, result)
+        self.root_context().start_reduce(self.group, result)
 
     def finish_backward(self) -> None:
         """End of backward: reduce whatever gradients the post-backward signals missed."""

@@ -17,15 +17,11 @@ from torch.distributed.tensor import DTensor
 
 from .debug import attach_active_traces
 from .param import FSDPParam
-from .state import FSDPState
+from .state import FSDPState, fsdp_states
 
 
 def _states(model: nn.Module) -> list[FSDPState]:
-    states: list[FSDPState] = []
-    for module in model.modules():
-        state = module.__dict__.get("_fsdp_state")
-        if isinstance(state, FSDPState) and state not in states:
-            states.append(state)
+    states = list(fsdp_states([model]))
     if not states:
         raise ValueError(
             f"unsharded() got a {type(model).__name__} with no fully_shard module inside; apply fully_shard first."
@@ -45,7 +41,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
     states = _states(model)
     for state in states:
-        attach_active_traces(state._ctx().comm)  # lazy init if the model never ran
+        attach_active_traces(state.root_context().comm)
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
     for group in groups:
         group.unshard("unsharded_context")
