@@ -306,10 +306,36 @@ def fully_shard(
     return module
 
 
+class _OutsideCompile:
+    """A module hook that runs outside ``torch.compile``'s graphs.
+
+    ``block.compile()`` / ``model.compile()`` (in place) compile ``Module._call_impl``, hooks
+    included. Dynamo skips torch's own files (``_call_impl`` itself) but would compile a hook frame
+    of ours, breaking the graph at every collective (and failing ``fullgraph=True``). Calling the
+    hook through ``torch._dynamo.disable`` (a torch frame, so skipped too) runs it eagerly, and the
+    module's ``forward`` is still compiled as one graph. An object rather than a closure, so a
+    deepcopy of the model gets hooks bound to the copy's state.
+    """
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+
+@functools.cache
+def _outside_compile_type() -> type:
+    # Made at the first fully_shard call, not at import: importing torch._dynamo costs ~1 s.
+    disabled = torch._dynamo.disable(_OutsideCompile.run, recursive=True)
+    return type("OutsideCompileHook", (_OutsideCompile,), {"__call__": disabled, "__module__": __name__})
+
+
 def _install(module: nn.Module, state: FSDPState) -> None:
     module.__dict__["_fsdp_state"] = state
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
+    hook = _outside_compile_type()
+    module.register_forward_pre_hook(hook(state.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(hook(state.post_forward))
     module.__class__ = _sharded_class(type(module))
 
 
