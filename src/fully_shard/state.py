@@ -4,7 +4,8 @@ One `FSDPState` per ``fully_shard`` call. The root's first forward creates a `Ro
 every state under it shares: the streams, the post-forward order (for backward prefetch), the
 reduce-scatter in flight and the end-of-backward callback.
 
-Hook map (each hook is a thin adapter to a named method):
+Hook map (each hook is a thin adapter to a named method; the two module hooks are installed
+through `api._OutsideCompile`, so they run eagerly outside ``torch.compile``'s graphs):
 
 * forward pre-hook  -> `FSDPState.pre_forward`: lazy init, unshard, attach the post-backward signal
 * forward hook      -> `FSDPState.post_forward`: reshard, remember order, hook outputs for backward
