@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -9,7 +11,7 @@ import torch.nn as nn
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from fully_shard import collectives
 from fully_shard.discovery import _device_usable
-from fully_shard.param import local_rows, rows_per_rank
+from fully_shard.layout import ShardLayout, local_rows, rows_per_rank
 from fully_shard.lifecycle import GROUP_STATES, PARAM_STATES, PHASES, TrainingPhase
 
 
@@ -20,8 +22,30 @@ def test_local_rows_match_torch_chunk(n, world_size):
     for rank in range(world_size):
         expected = chunks[rank].numel() if rank < len(chunks) else 0
         assert local_rows(n, world_size, rank) == expected
-        assert local_rows(n, world_size, rank) <= rows_per_rank(n, world_size)
-    assert rows_per_rank(n, world_size) * world_size >= n
+    assert rows_per_rank(n, world_size) == (max(c.numel() for c in chunks) if n else 0)
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+@pytest.mark.parametrize("shape,dim", [((0, 3), 0), ((7,), 0), ((13, 4), 0), ((5, 3, 2), 1), ((3, 17), 1), ((2, 3, 9), 2)])
+def test_shard_layout_round_trips_through_the_collective_layout(world, shape, dim):
+    """Every rank's chunk is torch.chunk's (empty past the end); padded to ``rows`` rows with the
+    sharded dim in front, each is ``shard_numel`` elements, and the ranks' padded chunks laid end to
+    end (what the all-gather produces) hold the whole tensor in order."""
+    full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    chunks = full.chunk(world, dim) if full.shape[dim] else ()
+    gathered = []
+    for rank in range(world):
+        layout = ShardLayout(torch.Size(shape), dim, world, rank)
+        local = full.narrow(dim, layout.start, layout.local_rows)
+        expected = chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+        assert torch.equal(local, expected) and local.shape == layout.local_shape
+        moved = local.movedim(dim, 0)
+        padded = torch.cat([moved, moved.new_zeros((layout.rows - layout.local_rows, *moved.shape[1:]))])
+        assert padded.numel() == layout.shard_numel and padded.shape[1:] == layout.moved_shape[1:]
+        gathered.append(padded)
+    n = shape[dim]
+    assert torch.equal(torch.cat(gathered)[:n], full.movedim(dim, 0))
+    assert layout.full_chunks == (n // layout.rows if layout.rows else 0)
 
 
 def test_policies_validate():

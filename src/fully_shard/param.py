@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .copying import copy_fields, refuse_busy
+from .layout import ShardLayout
 from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -90,16 +91,6 @@ class TPSpec:
     stride: tuple[int, ...]
 
 
-def rows_per_rank(dim0: int, world_size: int) -> int:
-    return -(-dim0 // world_size)
-
-
-def local_rows(dim0: int, world_size: int, rank: int) -> int:
-    """Rows of dim 0 that rank ``rank`` holds under ``Shard(0)`` (``torch.chunk`` semantics)."""
-    rows = rows_per_rank(dim0, world_size)
-    return max(0, min(rows, dim0 - rank * rows))
-
-
 class FSDPParam:
     """Owns one managed parameter: its shard, its unsharded form and the swap between them."""
 
@@ -128,16 +119,10 @@ class FSDPParam:
         if isinstance(data, DTensor):
             self.tp = TPSpec(data.device_mesh, tuple(data.placements), data.shape, tuple(data.stride()))
             data = data.to_local()
-        self.shape = data.shape  # what this library shards: the TP-local shape under TP
+        # What this library shards (the TP-local shape under TP), and how: pure arithmetic.
+        self.layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
         self.mp = mp
         self._set_dtype(param.dtype)
-        self.shard_dim = shard_dim
-        n = self.shape[shard_dim]
-        self.rows = rows_per_rank(n, info.world_size)
-        self.n_local = local_rows(n, info.world_size, info.rank)
-        # The shape with the shard dim moved to the front: the layout collectives move.
-        self.moved_shape = torch.Size([n, *self.shape[:shard_dim], *self.shape[shard_dim + 1 :]])
-        self.row_numel = _numel(self.moved_shape[1:])
         # Dim 0: padded rows owned here, the DTensor's local tensor a view of them (no copy-in
         # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
         self.padded_shard: Optional[torch.Tensor] = None
@@ -159,7 +144,7 @@ class FSDPParam:
         if id(self.sharded_param) in memo:
             return
         padded = self.padded_shard.clone() if self.padded_shard is not None else None
-        local = padded[: self.n_local] if padded is not None else self.local_shard.clone()
+        local = padded[: self.layout.local_rows] if padded is not None else self.local_shard.clone()
         param = self._make_sharded_param(local)
         param.__dict__.update(copy.deepcopy(self.sharded_param.__dict__, memo))
         if self.sharded_param.grad is not None:
@@ -181,6 +166,14 @@ class FSDPParam:
         )
         register_sharded(new)
         return new
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.layout.shape
+
+    @property
+    def shard_dim(self) -> int:
+        return self.layout.dim
 
     def _path(self, fqn: str) -> str:
         """``fqn`` (relative to the fully_shard call's module) from the root, once lazy init named it."""
@@ -211,13 +204,7 @@ class FSDPParam:
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of the unsharded shape (a view)."""
-        start = min(self.info.rank * self.rows, full.shape[self.shard_dim])  # empty shards past the end
-        return full.narrow(self.shard_dim, start, self.n_local)
-
-    def _local_shape(self) -> torch.Size:
-        shape = list(self.shape)
-        shape[self.shard_dim] = self.n_local
-        return torch.Size(shape)
+        return full.narrow(self.shard_dim, self.layout.start, self.layout.local_rows)
 
     def _empty_shard(self, shape: tuple[int, ...], meta: bool = False) -> torch.Tensor:
         if meta:
@@ -226,16 +213,16 @@ class FSDPParam:
 
     def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
         if self.shard_dim != 0:
-            local = self._empty_shard(tuple(self._local_shape()), meta=full.is_meta)
+            local = self._empty_shard(tuple(self.layout.local_shape), meta=full.is_meta)
             if not full.is_meta:
                 local.copy_(self.local_chunk(full))
             return local
-        self.padded_shard = self._empty_shard((self.rows, *self.shape[1:]), meta=full.is_meta)
+        self.padded_shard = self._empty_shard(tuple(self.layout.padded_shape), meta=full.is_meta)
         if not full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
             # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
-            self.padded_shard[: self.n_local].copy_(self.local_chunk(full))
-            self.padded_shard[self.n_local :].zero_()
-        return self.padded_shard[: self.n_local]
+            self.padded_shard[: self.layout.local_rows].copy_(self.local_chunk(full))
+            self.padded_shard[self.layout.local_rows :].zero_()
+        return self.padded_shard[: self.layout.local_rows]
 
     def _spec_mesh_and_placements(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         placements = self.info.placements(self.shard_dim)
@@ -263,7 +250,7 @@ class FSDPParam:
     @property
     def shard_numel(self) -> int:
         """Elements this parameter contributes to each rank's all-gather input (padding included)."""
-        return self.rows * self.row_numel
+        return self.layout.shard_numel
 
     @property
     def local_shard(self) -> torch.Tensor:
@@ -277,7 +264,7 @@ class FSDPParam:
         if self.padded_shard is not None:
             shard = self.padded_shard.view(-1)
         else:
-            shard = _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.rows, 0, 1).view(-1)
+            shard = _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.layout.rows, 0, 1).view(-1)
         if shard.device != self.info.device:  # offloaded: to the device (async from pinned memory)
             shard = shard.to(self.info.device, non_blocking=self.pin_memory)
         return shard
@@ -325,13 +312,14 @@ class FSDPParam:
         world, outer = self.info.world_size, gathered.shape[0]
         # (W', W / W' chunks, rows, ...) -> (W, rows, ...): a view for the full all-gather; a copy
         # only when gathering back from reshard_after_forward=int shares.
-        chunks = gathered.view(outer, world // outer, self.rows, *self.moved_shape[1:]).flatten(0, 1)
+        rows, (n, *rest) = self.layout.rows, self.layout.moved_shape
+        chunks = gathered.view(outer, world // outer, rows, *rest).flatten(0, 1)
         target = self._unsharded_view().movedim(self.shard_dim, 0)
-        n, full = self.moved_shape[0], self.moved_shape[0] // self.rows if self.rows else 0
+        full = self.layout.full_chunks
         if full:
-            target[: full * self.rows].view(full, self.rows, *self.moved_shape[1:]).copy_(chunks[:full])
-        if full * self.rows < n:
-            target[full * self.rows :].copy_(chunks[full, : n - full * self.rows])
+            target[: full * rows].view(full, rows, *rest).copy_(chunks[:full])
+        if full * rows < n:
+            target[full * rows :].copy_(chunks[full, : n - full * rows])
 
     def gathered_rows(self, first: int, count: int) -> torch.Tensor:
         """Shard-world rows ``[first, first + count)`` of the gathered parameter, as bytes in the
@@ -340,7 +328,7 @@ class FSDPParam:
             rows = self.padded_unsharded.view(self.info.world_size, -1)[first : first + count]
             return rows.reshape(-1).view(torch.uint8)
         moved = self._unsharded_view().movedim(self.shard_dim, 0)
-        return _padded_rows(moved, self.rows, first, count).view(-1).view(torch.uint8)
+        return _padded_rows(moved, self.layout.rows, first, count).view(-1).view(torch.uint8)
 
     def free_unsharded(self) -> None:
         self.padded_unsharded.untyped_storage().resize_(0)
@@ -404,7 +392,7 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
-        grad = padded_grad_shard.view(self.rows, *self.moved_shape[1:])[: self.n_local]
+        grad = padded_grad_shard.view(self.layout.rows, *self.layout.moved_shape[1:])[: self.layout.local_rows]
         if self.shard_dim:
             grad = grad.movedim(0, self.shard_dim)
         if grad.dtype != self.dtype:
@@ -440,7 +428,7 @@ class FSDPParam:
         that did not touch this parameter: it still has to join the reduction."""
         if self.partial_reduce is None:
             return None
-        return torch.zeros(self.moved_shape, dtype=self.param_dtype, device=self.info.device)
+        return torch.zeros(self.layout.moved_shape, dtype=self.param_dtype, device=self.info.device)
 
     # -- picking up changes made behind our back --------------------------------------------------
 
@@ -543,7 +531,7 @@ class FSDPParam:
                 host.copy_(local)
                 self.sharded_param._local_tensor = host  # type: ignore[attr-defined]
             return  # the all-gather reads the local tensor itself
-        padded = self._empty_shard((self.rows, *self.shape[1:]))
+        padded = self._empty_shard(tuple(self.layout.padded_shape))
         padded[: local.shape[0]].copy_(local)
         padded[local.shape[0] :].zero_()
         self.padded_shard = padded
