@@ -26,7 +26,7 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,17 +46,31 @@ class Pending:
     work: Optional[dist.Work] = None
     event: Optional[torch.Event] = None
     keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    # CPU: work that needs the collective's result, run by the thread that waits (see `CommContext.settle`).
+    after: Optional[Callable[[], None]] = None
     # Exactly one thread may wait on a work: gloo's composite collectives finish writing their
     # output inside wait(), so a second, concurrent wait() can return before the data is there.
     _wait_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def wait(self) -> None:
-        """Make the caller (CPU thread, or the current stream) wait for the collective."""
+        """Make the caller (CPU thread, or the current stream) wait for the collective, then run
+        what was waiting for its result."""
         if self.work is not None:
             with self._wait_lock:
                 if self.work is not None:
                     self.work.wait()
                     self.work = None
+        if self.event is not None:
+            torch.accelerator.current_stream().wait_event(self.event)
+            self.event = None
+        after, self.after = self.after, None
+        if after is not None:
+            after()
+
+    def discard(self) -> None:
+        """Let the collective land and drop everything, without running what waited for it."""
+        self.after = None
+        self.release()
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
             self.event = None
@@ -117,6 +131,22 @@ class CommContext:
         self.tracers: list["Trace"] = []
         self.releaser = Releaser()
         weakref.finalize(self, self.releaser.close)
+
+    def settle(self, pending: Pending, after: Callable[[], None]) -> None:
+        """A collective was just issued on the current (side) stream: run ``after`` (work that
+        needs its result) once it lands, and free its buffers as early as possible.
+
+        The one path for both kinds of device. Accelerator: ``after`` is queued now on this stream,
+        which orders it behind the collective, and waiters wait on the event recorded after it.
+        CPU (no streams): ``after`` runs in the thread that waits for ``pending``; the releaser
+        drops the buffers the moment the collective lands.
+        """
+        if self.uses_streams:
+            after()
+            pending.event = self.record(torch.accelerator.current_stream(self.device))
+        else:
+            pending.after = after
+            self.releaser.submit(pending)
 
     @property
     def async_op(self) -> bool:

@@ -7,6 +7,7 @@ by the group; clearing it means it is done.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -30,7 +31,6 @@ class ReduceScatterPart:
     params: list[FSDPParam]
     plan: collectives.Reduction  # how it divides (what is left to divide by after it)
     phase: str = "backward"
-    accumulated: bool = False
 
     def slices(self) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
         """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
@@ -316,24 +316,19 @@ class FSDPParamGroup:
                     nbytes = rs_input.numel() * rs_input.element_size()
                     comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group, plan)
                 part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase)
-                if comm.uses_streams:
-                    # Stream-ordered: all-reduce and accumulate on the reduce-scatter stream, no host wait.
-                    self._after_reduce_scatter(part)
-                    part.pending.event = comm.record(comm.reduce_scatter_stream)
-                    if any(p.offload for p in params):  # the host waits for these before the optimizer
-                        self.offload_events.append(part.pending.event)
-                else:
-                    comm.releaser.submit(part.pending)
+                # HSDP all-reduce and accumulation once it lands: stream-ordered on accelerators
+                # (no host wait), in `finish_reduce` on CPU.
+                comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
+                if part.pending.event is not None and any(p.offload for p in params):
+                    self.offload_events.append(part.pending.event)  # the host waits before the optimizer
         return part
 
     def finish_reduce(self, result: ReduceScatterResult) -> None:
         """Wait for a reduction and add its output to the sharded gradients."""
         with record_function(f"FSDP::reduce_scatter_wait {self.fqn}"), torch.no_grad():
             for part in result.parts:
-                part.pending.wait()
+                part.pending.wait()  # CPU: runs `_after_reduce_scatter` here
                 part.pending.keep_alive = ()
-                if not part.accumulated:
-                    self._after_reduce_scatter(part)
 
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
@@ -343,7 +338,6 @@ class FSDPParamGroup:
             if not self.requires_all_reduce:
                 for p, reduced in part.slices():
                     p.add_partial_reduce(reduced)
-                part.accumulated = True
                 return
             for p, reduced in part.slices():
                 p.pop_partial_reduce_into(reduced)
@@ -359,4 +353,3 @@ class FSDPParamGroup:
             part.output.div_(part.plan.after)
         for p, reduced in part.slices():
             p.accumulate_sharded_grad(reduced)
-        part.accumulated = True

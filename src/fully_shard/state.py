@@ -108,7 +108,7 @@ class RootContext:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
         if self.pending_reduce is not None:
             for part in self.pending_reduce[1].parts:
-                part.pending.wait()  # let the collective land before dropping its buffers
+                part.pending.discard()  # let the collective land before dropping its buffers
             self.pending_reduce = None
         for state in self.states:
             state.reset()
