@@ -1,8 +1,12 @@
 """torchrun --nproc-per-node 2 benchmarks/bench_step.py
 
-Compare this package's fully_shard with PyTorch's fully_shard and with DDP on the example Llama
-model (examples/train_llama.py defaults), same seed, same data, in one run:
+Compare this package's fully_shard with PyTorch's fully_shard and with DDP on one model shape
+(``--model``: the example Llama, ``wide`` = a few Linear(4096, 4096), ``deep-narrow`` = 64 tiny
+residual blocks), each block and the root sharded, same seed, same data, in one run:
 
+* peak live tensor bytes in one step (PyTorch's MemTracker: storages allocated through the
+  dispatcher, freed when they die), host CPU time per step (the Python thread's thread_time) and
+  collectives per step, besides the columns below.
 * step time (forward + backward + optimizer step): the three are interleaved round by round, in a
   rotating order, so machine noise hits each alike; medians over every timed step, and the ratio
   of ours to each of the others.
@@ -17,8 +21,8 @@ model (examples/train_llama.py defaults), same seed, same data, in one run:
   output, reduce-scatter input); DDP's all-reduce runs inside its C++ reducer, unseen by the
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
-Options: --rounds R --steps-per-round K --warmup W --dim D --layers L --batch B --seq-len S --out FILE
-         --param-dtype {fp32,bf16}
+Options: --model {llama,wide,deep-narrow} --rounds R --steps-per-round K --warmup W --dim D --layers L
+         --batch B --seq-len S --out FILE --param-dtype {fp32,bf16}
 """
 
 from __future__ import annotations
@@ -43,64 +47,100 @@ from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E4
 
 
 class Impl:
-    def __init__(self, name: str, model: nn.Module) -> None:
+    def __init__(self, name: str, model: nn.Module, kind: str) -> None:
         self.name = name
         self.model = model
+        self.kind = kind
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.times: list[float] = []
+        self.host_times: list[float] = []  # CPU time of the Python thread (our hooks, autograd, optimizer)
 
     def step(self, step: int, args: argparse.Namespace) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        x, y = synthetic_batch(step, args.batch, args.seq_len, self.model_cfg.vocab_size)
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        loss_fn(self.model(x), y).backward()
+        if self.kind == "llama":
+            x, y = synthetic_batch(step, args.batch, args.seq_len, 1024)
+            loss = loss_fn(self.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        else:  # wide / deep-narrow: a regression on random inputs
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(args.batch, self.width, generator=gen).chunk(world)[rank]
+            loss = self.model(x).pow(2).mean()
+        loss.backward()
         self.opt.step()
         self.opt.zero_grad()
 
     @property
-    def model_cfg(self) -> LlamaConfig:
-        model = self.model.module if isinstance(self.model, nn.parallel.DistributedDataParallel) else self.model
-        return model.cfg
+    def width(self) -> int:
+        first = next(m for m in self.model.modules() if isinstance(m, nn.Linear))
+        return first.in_features
+
+
+class Residual(nn.Module):
+    """One deep-narrow block: ``x + relu(Linear(x))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.lin(x))
+
+
+def make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn.Module]]:
+    """The model and the blocks each get their own fully_shard call (then the root)."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = LlamaConfig(vocab_size=1024, dim=args.dim, n_layers=args.layers, n_heads=4,
+                          hidden_dim=int(args.dim * 8 / 3), max_seq_len=args.seq_len)
+        model = Llama(cfg)
+        return model, list(model.layers)
+    if kind == "wide":  # few large layers: memory per collective dominates
+        model = nn.Sequential(*[nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
+        return model, list(model)
+    if kind == "deep-narrow":  # many tiny layers: per-collective overhead dominates
+        model = nn.Sequential(*[Residual(args.dim) for _ in range(args.layers)])
+        return model, list(model)
+    raise ValueError(kind)
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def build(name: str, cfg: LlamaConfig, param_dtype: str = "fp32") -> Impl:
-    torch.manual_seed(0)
-    model = Llama(cfg)
+def build(name: str, args: argparse.Namespace) -> Impl:
+    model, blocks = make_model(args.model, args)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    dtype = PARAM_DTYPES[param_dtype]
+    dtype = PARAM_DTYPES[args.param_dtype]
     if name == "ours":
         from fully_shard import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
     elif name == "torch_fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         torch_mp = TorchMP(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        for layer in model.layers:
-            torch_fully_shard(layer, mesh=mesh, mp_policy=torch_mp)
+        for block in blocks:
+            torch_fully_shard(block, mesh=mesh, mp_policy=torch_mp)
         torch_fully_shard(model, mesh=mesh, mp_policy=torch_mp)
     elif name == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
         raise ValueError(name)
-    return Impl(name, model)
+    return Impl(name, model, args.model)
 
 
 class CollectiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0
+        self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
         if name.startswith("c10d::"):
+            self.count += 1
             if "allgather" in name or "all_gather" in name:
                 self.nbytes += args[0].numel() * args[0].element_size()
             elif "reduce_scatter" in name:
@@ -145,30 +185,46 @@ def peak_step_bytes(impl: Impl, args: argparse.Namespace, before_model: int, sam
     return int(statistics.median(peaks))
 
 
-def comm_bytes(impl: Impl, args: argparse.Namespace) -> int:
+def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
+    """(bytes, collectives) per rank per step. DDP's all-reduces run inside its C++ reducer,
+    unseen by the dispatcher: its row reports the gradient bytes and 0 counted collectives."""
     if impl.name == "ddp":
-        return sum(p.numel() * p.element_size() for p in impl.model.parameters() if p.requires_grad)
+        return sum(p.numel() * p.element_size() for p in impl.model.parameters() if p.requires_grad), 0
     with CollectiveBytes() as counter:
         impl.step(0, args)
-    return counter.nbytes
+    return counter.nbytes, counter.count
 
 
-def measure_memory(names: list[str], cfg: LlamaConfig, args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+def live_tensor_peak(impl: Impl, args: argparse.Namespace) -> int:
+    """Peak bytes of live CPU tensors during one step (PyTorch's MemTracker: every storage
+    allocated through the dispatcher, freed when it dies), not resident memory."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    gc.collect()
+    tracker = MemTracker()
+    tracker.track_external(impl.model, impl.opt)
+    with tracker:
+        impl.step(0, args)
+    peak = tracker.get_tracker_snapshot("peak")
+    return int(sum(stats.get("Total", 0) for stats in peak.values()))
+
+
+def measure_memory(names: list[str], args: argparse.Namespace) -> dict[str, tuple[int, tuple[int, int]]]:
     """Peak bytes per implementation (median over ``args.memory_repeats`` fresh builds, taken in
     a rotating order), with one implementation alive at a time so resident memory is its own."""
     for name in names:  # first use of each code path allocates process-wide state: pay it up front
-        impl = build(name, cfg, args.param_dtype)
+        impl = build(name, args)
         impl.step(0, args)
         comm_bytes(impl, args)
         del impl
     set_mmap_threshold(64 * 1024)
     peaks: dict[str, list[int]] = {name: [] for name in names}
-    comm: dict[str, int] = {}
+    comm: dict[str, tuple[int, int]] = {}
     for repeat in range(args.memory_repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for name in order:
             before_model = resident_bytes()
-            impl = build(name, cfg, args.param_dtype)
+            impl = build(name, args)
             impl.step(0, args)  # warm: optimizer state exists, lazy init done
             impl.step(1, args)
             peaks[name].append(peak_step_bytes(impl, args, before_model))
@@ -180,11 +236,12 @@ def measure_memory(names: list[str], cfg: LlamaConfig, args: argparse.Namespace)
     return {name: (int(statistics.median(peaks[name])), comm[name]) for name in names}
 
 
-def timed(fn: Callable[[], None]) -> float:
+def timed(impl: Impl, fn: Callable[[], None]) -> None:
     dist.barrier()
-    start = time.perf_counter()
+    start, host = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - start
+    impl.host_times.append(time.thread_time() - host)
+    impl.times.append(time.perf_counter() - start)
 
 
 def main() -> None:
@@ -192,8 +249,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps-per-round", type=int, default=5)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", choices=["llama", "wide", "deep-narrow"], default="llama",
+                   help="llama: the example model; wide: --layers Linear(dim, dim); deep-narrow: --layers residual Linear blocks")
+    p.add_argument("--dim", type=int, default=None, help="default: 128 (llama), 4096 (wide), 64 (deep-narrow)")
+    p.add_argument("--layers", type=int, default=None, help="default: 4 (llama, wide), 64 (deep-narrow)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
@@ -201,54 +260,62 @@ def main() -> None:
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
     args = p.parse_args()
+    defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
+    args.dim = args.dim if args.dim is not None else defaults[0]
+    args.layers = args.layers if args.layers is not None else defaults[1]
 
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = LlamaConfig(vocab_size=1024, dim=args.dim, n_layers=args.layers, n_heads=4,
-                      hidden_dim=int(args.dim * 8 / 3), max_seq_len=args.seq_len)
     names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]
 
-    memory = measure_memory(names, cfg, args)
+    memory = measure_memory(names, args)
 
-    impls = [build(name, cfg, args.param_dtype) for name in names]
+    impls = [build(name, args) for name in names]
     for impl in impls:
         for s in range(args.warmup):
             impl.step(s, args)
+    live = {impl.name: live_tensor_peak(impl, args) for impl in impls}
     for r in range(args.rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]
         for impl in order:
             for s in range(args.steps_per_round):
-                impl.times.append(timed(lambda: impl.step(s, args)))
+                timed(impl, lambda: impl.step(s, args))
 
     # Medians over every rank's steps: the slowest rank sets the pace of a synchronous step.
-    medians = {}
+    medians, spans, host = {}, {}, {}
     for impl in impls:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, impl.times)
-        per_step = [max(ts) for ts in zip(*gathered)]
+        dist.all_gather_object(gathered, (impl.times, impl.host_times))
+        per_step = [max(ts) for ts in zip(*(g[0] for g in gathered))]
         medians[impl.name] = statistics.median(per_step)
+        spans[impl.name] = (min(per_step), max(per_step))
+        host[impl.name] = max(statistics.median(g[1]) for g in gathered)
     peaks: list = [None] * world
-    dist.all_gather_object(peaks, {n: memory[n][0] for n in names})
+    dist.all_gather_object(peaks, {n: (memory[n][0], live[n]) for n in names})
 
     if rank == 0:
         ours = medians["ours"]
+        shape = {"llama": f"Llama dim {args.dim}, {args.layers} blocks, vocab 1024, global batch {args.batch}x{args.seq_len}",
+                 "wide": f"{args.layers} x Linear({args.dim}, {args.dim}), global batch {args.batch}",
+                 "deep-narrow": f"{args.layers} blocks of x + relu(Linear({args.dim}, {args.dim})(x)), global batch {args.batch}"}[args.model]
         lines = [
-            f"world {world}, CPU/gloo, {args.param_dtype} params, Llama dim {args.dim}, {args.layers} blocks, vocab {cfg.vocab_size}, "
-            f"global batch {args.batch}x{args.seq_len}; {args.rounds} interleaved rounds x {args.steps_per_round} steps, "
-            f"memory: median of {args.memory_repeats} builds, "
-            f"torch {torch.__version__}",
+            f"world {world}, CPU/gloo, {args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
+            f"{args.steps_per_round} steps; RSS memory: median of {args.memory_repeats} builds; torch {torch.__version__}",
             "",
-            "| implementation | median step (ms) | ours / this | peak memory per rank (MiB) | ours / this | comm per rank per step (MiB) |",
-            "|---|---|---|---|---|---|",
+            "| implementation | median step (ms) [min-max] | ours / this | host CPU ms/step | peak live tensor MiB per rank | ours / this | peak RSS MiB per rank | collectives / step | comm MiB / rank / step |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name in names:
-            peak = [pk[name] for pk in peaks]
-            ours_peak = [pk["ours"] for pk in peaks]
-            mem_ratio = max(o / t for o, t in zip(ours_peak, peak))
+            rss = [pk[name][0] for pk in peaks]
+            tensors = [pk[name][1] for pk in peaks]
+            live_ratio = max(pk["ours"][1] / pk[name][1] for pk in peaks)
+            lo, hi = spans[name]
             lines.append(
-                f"| {name} | {medians[name] * 1e3:.2f} | {ours / medians[name]:.3f} | "
-                f"{', '.join(f'{b / 2**20:.2f}' for b in peak)} | {mem_ratio:.3f} | {memory[name][1] / 2**20:.2f} |"
+                f"| {name} | {medians[name] * 1e3:.2f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}] | {ours / medians[name]:.3f} | "
+                f"{host[name] * 1e3:.2f} | {', '.join(f'{b / 2**20:.1f}' for b in tensors)} | {live_ratio:.3f} | "
+                f"{', '.join(f'{b / 2**20:.1f}' for b in rss)} | {memory[name][1][1] if name != 'ddp' else '(in C++)'} | "
+                f"{memory[name][1][0] / 2**20:.2f} |"
             )
         table = "\n".join(lines)
         print(table, flush=True)
