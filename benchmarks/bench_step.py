@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
+from teardown import shutdown  # noqa: E402
 
 
 class Impl:
@@ -322,8 +323,8 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(table + "\n")
-    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
-    dist.destroy_process_group()
+
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, rotary_tables, synthetic_batch  # noqa: E402
+from teardown import shutdown  # noqa: E402
 
 from fully_shard import fully_shard  # noqa: E402
 
@@ -88,8 +89,8 @@ def main() -> None:
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(start + args.steps)}, checkpoint_id=args.ckpt)
     if rank == 0:
         print(f"saved {args.ckpt} at step {start + args.steps}")
-    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
-    dist.destroy_process_group()
+
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
+from teardown import shutdown  # noqa: E402
 from train_llama import setup  # noqa: E402
 
 from fully_shard import debug, fully_shard  # noqa: E402
@@ -74,8 +75,8 @@ def main() -> None:
             if step == 0:
                 print(trace.summary(), flush=True)
             print(f"step {step:3d}  loss {total.item() / world:.4f}", flush=True)
-    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
-    dist.destroy_process_group()
+
+    shutdown()
 
 
 if __name__ == "__main__":

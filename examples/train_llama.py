@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
+from teardown import shutdown  # noqa: E402
 
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
@@ -103,11 +104,7 @@ def main() -> None:
     dist.all_gather(peaks, peak)
     if rank == 0:
         print(f"per-rank peak memory (MiB): {[round(p.item()) for p in peaks]}")
-    # Gloo aborts the process ('terminate called without an active exception') when one rank tears
-    # down its connections while a peer still finishes the last collective; PyTorch's fully_shard
-    # shows the same. Every rank passes the barrier first.
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
+from teardown import shutdown  # noqa: E402
 from train_llama import setup  # noqa: E402
 
 from fully_shard import fully_shard  # noqa: E402
@@ -84,8 +85,8 @@ def main() -> None:
         dist.all_reduce(mean, group=mesh.get_group("dp"))
         if dist.get_rank() == 0:
             print(f"step {step:3d}  loss {mean.item() / dp:.4f}", flush=True)
-    dist.barrier()  # gloo aborts if a rank tears down while a peer finishes the last collective
-    dist.destroy_process_group()
+
+    shutdown()
 
 
 if __name__ == "__main__":
