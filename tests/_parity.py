@@ -96,6 +96,37 @@ def llama_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return synthetic_batch(step, batch=8, seq_len=16, vocab=cfg.vocab_size)
 
 
+class WithGenerate(nn.Module):
+    """A module with a second entry point, for ``register_fsdp_forward_method``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.proj(x)
+
+    def generate(self, x, steps: int = 3):
+        for _ in range(steps):
+            x = torch.tanh(self.proj(x))[:, :5]
+        return x
+
+
+def sharded_generate_model() -> tuple[nn.Module, nn.Module]:
+    """`WithGenerate` in float64, sharded with ``generate`` registered as a forward method, and an
+    unsharded copy of it."""
+    import copy
+
+    from fully_shard import fully_shard, register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    model = WithGenerate().double()
+    ref = copy.deepcopy(model)
+    fully_shard(model, mesh=cpu_mesh())
+    register_fsdp_forward_method(model, "generate")
+    return model, ref
+
+
 def _mlp_loss(model, x, y):
     return ((model(x) - y) ** 2).mean()
 
@@ -155,6 +186,6 @@ def assert_float64(model: nn.Module) -> None:
 
 
 __all__ = [
-    "F64", "LLAMA_LR", "STEPS", "TOL64", "_llama_loss", "_mlp_loss", "_train_pair", "assert_float64", "check",
+    "F64", "LLAMA_LR", "WithGenerate", "sharded_generate_model", "STEPS", "TOL64", "_llama_loss", "_mlp_loss", "_train_pair", "assert_float64", "check",
     "global_mean", "llama64", "llama_batch", "make_mlp", "max_abs_diff", "mlp_batch", "nested_mlp_and_reference", "shard_llama", "shard_mlp",
 ]

@@ -376,39 +376,24 @@ def test_deepcopy_mid_iteration_is_refused(ranks):
         assert "copy.deepcopy of a sharded model" in message and "Fix:" in message, message
 
 
-class _WithScore(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(5, 7)
-
-    def forward(self, x):
-        return self.proj(x)
-
-    def score(self, x):
-        return torch.tanh(self.proj(x)).sum(-1)
-
-
 def _deepcopy_registered_method() -> dict:
     """A method registered with register_fsdp_forward_method runs the copy's parameters on the copy."""
-    from fully_shard import fully_shard, register_fsdp_forward_method
+    from _parity import sharded_generate_model
 
-    torch.manual_seed(0)
-    model = _WithScore().double()
-    ref = copy.deepcopy(model)
-    fully_shard(model, mesh=cpu_mesh())
-    register_fsdp_forward_method(model, "score")
+    model, ref = sharded_generate_model()
     ema = copy.deepcopy(model)
     with torch.no_grad():  # change the original only
         for p in model.parameters():
             p.add_(1.0)
     x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        return {"copy": (ema.score(x) - ref.score(x)).abs().max().item(), "original_moved": (model.score(x) - ref.score(x)).abs().max().item()}
+        return {"copy": (ema.generate(x) - ref.generate(x)).abs().max().item(),
+                "original_moved": (model.generate(x) - ref.generate(x)).abs().max().item()}
 
 
 def test_deepcopy_rebinds_registered_forward_methods(ranks):
     for r in ranks(2).run(_deepcopy_registered_method):
-        assert r["copy"] <= TOL64 and r["original_moved"] > 0.1, r
+        assert r["copy"] <= TOL64 and r["original_moved"] > 0.01, r
 
 
 def _deepcopy_tied() -> dict:

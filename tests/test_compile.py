@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from _parity import TOL64, llama64
+from _parity import TOL64, llama64, shard_llama
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world
 
@@ -97,9 +97,7 @@ def _graphs_and_losses(impl: str, form: str, fullgraph: bool) -> tuple[int, list
     rank, w = world()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=2))
-    for layer in model.layers:
-        fully_shard(layer, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+    shard_llama(model, True, fully_shard)
     if form == "block":
         for layer in model.layers:
             layer.compile(backend="aot_eager", fullgraph=fullgraph)

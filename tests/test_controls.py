@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
-from _parity import nested_mlp_and_reference, TOL64, _mlp_loss, make_mlp, mlp_batch, shard_mlp, llama64
+from _parity import nested_mlp_and_reference, sharded_generate_model, TOL64, _mlp_loss, make_mlp, mlp_batch, shard_mlp, llama64
 
 
 def _llama(n_layers: int = 3, reshard: bool = True):
@@ -420,28 +420,8 @@ def test_several_forwards_then_backwards_in_another_order(ranks, world_size):
 # -- other entry points and reductions ---------------------------------------------------------
 
 
-class WithGenerate(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(5, 7)
-
-    def forward(self, x):
-        return self.proj(x)
-
-    def generate(self, x, steps: int = 3):
-        for _ in range(steps):
-            x = torch.tanh(self.proj(x))[:, :5]
-        return x
-
-
 def _forward_method() -> dict:
-    from fully_shard import fully_shard, register_fsdp_forward_method
-
-    torch.manual_seed(0)
-    model = WithGenerate().double()
-    ref = copy.deepcopy(model)
-    fully_shard(model, mesh=cpu_mesh())
-    register_fsdp_forward_method(model, "generate")
+    model, ref = sharded_generate_model()
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     with torch.no_grad():
         out = model.generate(x)
