@@ -26,14 +26,25 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
     from .collectives import Reduction
-    from .debug import Trace
+
+
+class CollectiveObserver(Protocol):
+    """Who watches the collectives issued under a root (`fully_shard.debug.Trace`). The comm
+    layer calls it and never imports the tracer."""
+
+    def begin_step(self) -> None: ...
+
+    def add(
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
+        reduction: Optional["Reduction"] = None,
+    ) -> None: ...
 
 
 @dataclass
@@ -128,7 +139,7 @@ class CommContext:
             self.all_gather_stream = torch.Stream(device=device, priority=-1)
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
         # Who watches the collectives issued under this root (fully_shard.debug.trace).
-        self.tracers: list["Trace"] = []
+        self.tracers: list[CollectiveObserver] = []
         self.releaser = Releaser()
         weakref.finalize(self, self.releaser.close)
 

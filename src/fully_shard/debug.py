@@ -17,13 +17,12 @@ import contextlib
 from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from .collectives import Reduction
-    from .comm import CommContext
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class Trace:
     records: list[CollectiveRecord] = field(default_factory=list)
     step: int = 0
     _started: bool = False
-    _comms: list["CommContext"] = field(default_factory=list)
+    _attached: list[list["Trace"]] = field(default_factory=list)  # the observer lists of the roots it watches
 
     def begin_step(self) -> None:
         if self._started:
@@ -114,14 +113,15 @@ def trace() -> Iterator[Trace]:
         yield t
     finally:
         _ACTIVE.reset(token)
-        for comm in t._comms:
-            comm.tracers.remove(t)
-        t._comms.clear()
+        for observers in t._attached:
+            observers.remove(t)
+        t._attached.clear()
 
 
-def attach_active_traces(comm: "CommContext") -> None:
-    """Called in the user's thread when a root starts work: hook up the traces open there."""
+def attach_active_traces(observers: list[Any]) -> None:
+    """Called in the user's thread when a root starts work: add the traces open there to the root's
+    observer list (``CommContext.tracers``), which its collectives report to."""
     for t in _ACTIVE.get():
-        if t not in comm.tracers:
-            comm.tracers.append(t)
-            t._comms.append(comm)
+        if t not in observers:
+            observers.append(t)
+            t._attached.append(observers)

@@ -327,7 +327,7 @@ class FSDPState:
                 stacklevel=3,
             )
             ctx.reset()
-        attach_active_traces(ctx.comm)
+        attach_active_traces(ctx.comm.tracers)
         for t in ctx.comm.tracers:
             t.begin_step()
         event, self.settings.post_optim_event = self.settings.post_optim_event, None

@@ -41,7 +41,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
     states = _states(model)
     for state in states:
-        attach_active_traces(state.root_context().comm)
+        attach_active_traces(state.root_context().comm.tracers)
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
     for group in groups:
         group.unshard("unsharded_context")
