@@ -31,7 +31,7 @@ tensor with its own storage. Gradients go the other way: dim ``d`` to the front,
 
 Tensor parallelism: a parameter that is already a ``DTensor`` on a TP mesh is sharded as its
 TP-local tensor; the sharded parameter is a DTensor on the joint (dp, tp) mesh, and the
-unsharded one a DTensor on the TP mesh again, as the TP-parallelised module expects.
+unsharded one a DTensor on the TP mesh again, as the TP-parallelised module expects (`tp.py`).
 
 Why ``unsharded_param`` has its own version counter: it is built with ``set_`` on the shared
 storage rather than as a view of ``padded_unsharded``, so the copy-out writes into the storage
@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from .copying import copy_fields, refuse_busy
 from .layout import ShardLayout
@@ -56,6 +56,7 @@ from .lifecycle import PARAM_STATES, ShardedState, advance
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .registry import manager_of, register_sharded
+from .tp import TPSpec
 
 if TYPE_CHECKING:
     from .param_group import FSDPParamGroup
@@ -76,19 +77,6 @@ class ParamPlace:
         # Straight into _parameters: nn.Module.__setattr__ costs too much on the per-step path,
         # and the module already holds a parameter under this name.
         self.module._parameters[self.name] = tensor  # type: ignore[assignment]
-
-
-@dataclass(frozen=True)
-class TPSpec:
-    """How a tensor-parallel parameter was distributed before ``fully_shard`` saw it."""
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "TPSpec":
-        return self  # immutable, and names a shared mesh
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size  # global (TP) shape
-    stride: tuple[int, ...]
 
 
 class FSDPParam:
@@ -117,7 +105,7 @@ class FSDPParam:
         self.tp: Optional[TPSpec] = None
         data = param.detach()
         if isinstance(data, DTensor):
-            self.tp = TPSpec(data.device_mesh, tuple(data.placements), data.shape, tuple(data.stride()))
+            self.tp = TPSpec.of(data)
             data = data.to_local()
         # What this library shards (the TP-local shape under TP), and how: pure arithmetic.
         self.layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
@@ -228,14 +216,7 @@ class FSDPParam:
         placements = self.info.placements(self.shard_dim)
         if self.tp is None:
             return self.info.mesh, placements
-        # TP shards the same dim first: data-parallel chunks live inside each TP chunk.
-        split = 1
-        for p, size in zip(self.tp.placements, self.tp.mesh.shape):
-            if isinstance(p, Shard) and p.dim == self.shard_dim:
-                split *= size
-        if split > 1:
-            placements = (*placements[:-1], _StridedShard(self.shard_dim, split_factor=split))
-        return joint_mesh(self.info.mesh, self.tp.mesh), (*placements, *self.tp.placements)
+        return self.tp.joint(self.info.mesh, placements, self.shard_dim)
 
     def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         mesh, placements = self._spec_mesh_and_placements()
@@ -341,9 +322,7 @@ class FSDPParam:
         if self.unsharded_param is None:
             tensor: torch.Tensor = self._unsharded_view()
             if self.tp is not None:
-                tensor = DTensor.from_local(
-                    tensor, self.tp.mesh, self.tp.placements, run_check=False, shape=self.tp.shape, stride=self.tp.stride
-                )
+                tensor = self.tp.unsharded(tensor)
             self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
@@ -382,10 +361,8 @@ class FSDPParam:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
-        if self.tp is not None and isinstance(grad, DTensor):
-            if tuple(grad.placements) != self.tp.placements:
-                grad = grad.redistribute(placements=self.tp.placements)  # e.g. Partial -> Replicate
-            grad = grad.to_local()
+        if self.tp is not None:
+            grad = self.tp.local_grad(grad)
         if grad.shape != self.shape:
             raise RuntimeError(f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
         return grad.movedim(self.shard_dim, 0) if self.shard_dim else grad.contiguous()
@@ -549,15 +526,6 @@ _MISSING = object()
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The (dp..., tp) mesh two slices of one parent mesh span together."""
-    concatenate = getattr(DeviceMesh, "_concatenate", None)
-    if concatenate is not None:
-        return concatenate([dp_mesh, tp_mesh])
-    names = (*(dp_mesh.mesh_dim_names or ()), *(tp_mesh.mesh_dim_names or ()))
-    return dp_mesh._get_root_mesh()[names]
 
 
 def _padded_rows(moved: torch.Tensor, rows: int, first: int, count: int) -> torch.Tensor:
