@@ -12,7 +12,7 @@ from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, f
 from fully_shard import collectives
 from fully_shard.discovery import _device_usable
 from fully_shard.layout import ShardLayout, local_rows, rows_per_rank
-from fully_shard.lifecycle import GROUP_STATES, PARAM_STATES, PHASES, TrainingPhase
+from fully_shard.lifecycle import GROUP_STATES, PHASES, TrainingPhase
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
@@ -67,7 +67,7 @@ def test_phase_table_rejects_illegal_moves():
     with pytest.raises(RuntimeError, match="group layers.0: illegal transition POST_BACKWARD -> FORWARD"):
         group.set_phase(TrainingPhase.FORWARD)
     group.set_phase(TrainingPhase.POST_BACKWARD)  # staying put is always allowed
-    for table in (PHASES, PARAM_STATES, GROUP_STATES):
+    for table in (PHASES, GROUP_STATES):
         for state, allowed in table.items():
             assert state not in allowed and allowed <= set(table)
 

@@ -21,11 +21,6 @@ class TrainingPhase(Enum):
     POST_BACKWARD = auto()
 
 
-PARAM_STATES: dict[ShardedState, set[ShardedState]] = {
-    ShardedState.SHARDED: {ShardedState.UNSHARDED},
-    ShardedState.UNSHARDED: {ShardedState.SHARDED},
-}
-
 GROUP_STATES: dict[ShardedState, set[ShardedState]] = {
     ShardedState.SHARDED: {ShardedState.UNSHARDED},
     ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD},

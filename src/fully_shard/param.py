@@ -52,7 +52,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .copying import copy_fields, refuse_busy
 from .layout import ShardLayout
-from .lifecycle import PARAM_STATES, ShardedState, advance
+from .lifecycle import ShardedState
 from .mesh import MeshInfo
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .registry import manager_of, register_sharded
@@ -118,7 +118,6 @@ class FSDPParam:
         self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: reduced over shards, not yet replicas
-        self.state = ShardedState.SHARDED
         # The local tensor `sync_with_module` last checked: another one means something swapped it.
         self._seen_local: Optional[torch.Tensor] = None
         register_sharded(self)
@@ -142,7 +141,7 @@ class FSDPParam:
             memo[id(self.padded_shard)] = padded
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParam":
-        if self.state is not ShardedState.SHARDED:
+        if self.is_unsharded:
             refuse_busy(f"parameter {self.path}", "is unsharded")
         self.precopy(memo)
         param = memo[id(self.sharded_param)]
@@ -183,7 +182,7 @@ class FSDPParam:
     def add_places(self, places: list[ParamPlace]) -> None:
         """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it
         there as well, starting from its current form."""
-        current = self.unsharded_param if self.state is ShardedState.UNSHARDED else self.sharded_param
+        current = self.unsharded_param if self.is_unsharded else self.sharded_param
         for place in places:
             self.places.append(place)
             place.set(current)  # type: ignore[arg-type]
@@ -328,23 +327,22 @@ class FSDPParam:
 
     # -- state transitions -----------------------------------------------------------------------
 
-    def _transition(self, to: ShardedState) -> None:
-        self.state = advance(PARAM_STATES, self.state, to, f"parameter {self.fqn}")
+    # The group's `sharded_state` is the one record of which form is in use: it calls these two on
+    # its own transitions only (UNSHARDED <-> SHARDED / SHARDED_POST_FORWARD, where parameters are
+    # sharded too).
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.group is not None and self.group.sharded_state is ShardedState.UNSHARDED
 
     def to_unsharded(self) -> None:
         """Point the module at the unsharded parameter (its data must already be copied out)."""
-        if self.state is ShardedState.UNSHARDED:
-            return
-        self._transition(ShardedState.UNSHARDED)
         unsharded = self._ensure_unsharded_param()
         for place in self.places:
             place.set(unsharded)
 
     def to_sharded(self) -> None:
         """Point the module back at the sharded DTensor parameter and free the unsharded memory."""
-        if self.state is ShardedState.SHARDED:
-            return
-        self._transition(ShardedState.SHARDED)
         for place in self.places:
             # A place holding something else was assigned by the user meanwhile: leave it for
             # `sync_with_module` to take over at the next unshard.
@@ -516,7 +514,7 @@ class FSDPParam:
 
     def _drop_unsharded(self) -> None:
         """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
-        assert self.state is ShardedState.SHARDED, f"parameter {self.fqn} changed while unsharded"
+        assert not self.is_unsharded, f"parameter {self.fqn} changed while unsharded"
         self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
         self.unsharded_param = None
 
