@@ -81,10 +81,8 @@ class Pending:
     def discard(self) -> None:
         """Let the collective land and drop everything, without running what waited for it."""
         self.after = None
-        self.release()
-        if self.event is not None:
-            torch.accelerator.current_stream().wait_event(self.event)
-            self.event = None
+        self.wait()
+        self.keep_alive = ()
 
     def release(self) -> None:
         """Wait for the collective (if nobody has) and drop its buffers."""
