@@ -32,7 +32,7 @@ def _unsharded_bytes_alive(model: nn.Module) -> int:
 # -- collective schedule -------------------------------------------------------------------------
 
 
-def _schedule(reshard: bool) -> list[dict]:
+def _schedule(reshard: bool, bucket: bool) -> list[dict]:
     from fully_shard import fully_shard
 
     rank, w = world()
@@ -41,6 +41,8 @@ def _schedule(reshard: bool) -> list[dict]:
     for layer in model.layers:
         fully_shard(layer, mesh=cpu_mesh(), reshard_after_forward=reshard)
     fully_shard(model, mesh=cpu_mesh())
+    if not bucket:
+        model.set_bucket_bytes(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     steps = []
     for step in range(3):
@@ -67,18 +69,23 @@ def _schedule(reshard: bool) -> list[dict]:
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_collectives_per_step(ranks, world_size, reshard):
+@pytest.mark.parametrize("bucket", [True, False])
+def test_collectives_per_step(ranks, world_size, reshard, bucket):
     """3 blocks + root: one all-gather per group in forward; blocks gather again in backward only
-    when resharded (the root keeps its parameters); one reduce-scatter per group."""
-    for steps in ranks(world_size).run(_schedule, reshard):
+    when resharded (the root keeps its parameters); one reduce-scatter per group. Bucketed (the
+    default), the 3 small blocks are one group for communication; blocks that keep their
+    parameters after forward leave the bucket's schedule and communicate alone."""
+    for steps in ranks(world_size).run(_schedule, reshard, bucket):
         for s in steps:
             assert s["unsharded_bytes_after_step"] == 0 and s["all_dtensor"], s
             if world_size == 1:  # one rank: nothing to gather or reduce, so no collective at all
                 assert s["collectives"] == 0, s
                 continue
-            assert s["fwd_all_gather"] == 4 and s["fwd_reduce_scatter"] == 0, s
-            assert s["bwd_all_gather"] == (3 if reshard else 0), s
-            assert s["bwd_reduce_scatter"] == 4 and s["collectives"] == 4 + (3 if reshard else 0) + 4, s
+            blocks = 1 if bucket and reshard else 3
+            assert s["fwd_all_gather"] == 1 + blocks and s["fwd_reduce_scatter"] == 0, s
+            assert s["bwd_all_gather"] == (blocks if reshard else 0), s
+            assert s["bwd_reduce_scatter"] == 1 + blocks, s
+            assert s["collectives"] == 1 + blocks + (blocks if reshard else 0) + 1 + blocks, s
 
 
 def _frozen_traffic() -> dict:

@@ -172,6 +172,23 @@ class FSDPModule:
             if state.group is not None:
                 state.group.force_sum_reduction = value
 
+    def set_bucket_bytes(self, nbytes: int) -> None:
+        """Call on the root. Consecutive sharded modules under it whose unsharded parameters add up
+        to at most ``nbytes`` all-gather and reduce-scatter together, one collective per bucket
+        (default 4 MiB; ``0`` turns it off). Costs at most ``nbytes`` of extra unsharded parameters
+        and of waiting gradients; see docs/design.md, "Bucketing", for the rule and the numerics."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}.")
+        state = self._get_fsdp_state()
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(
+                f"set_bucket_bytes on {type(self).__name__} ({state.fqn}), which is not a root: buckets span every "
+                f"module under one root. Fix: call it on the root module ({type(state.ctx.root.modules[0]).__name__})."
+            )
+        state.settings.bucket_bytes = nbytes
+        if state.ctx is not None:
+            state.ctx.plan_buckets()
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
         backward does not read them, e.g. an embedding lookup)."""

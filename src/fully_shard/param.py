@@ -393,10 +393,11 @@ class FSDPParam:
         else:
             self.partial_reduce.add_(reduced)
 
-    def pop_partial_reduce_into(self, reduced: torch.Tensor) -> None:
-        if self.partial_reduce is not None:
-            reduced.add_(self.partial_reduce)
-            self.partial_reduce = None
+    def take_partial_reduce(self) -> Optional[torch.Tensor]:
+        """The deferred partial sum, handed to the reduction that is about to include it (so a
+        later backward, or the end of this one, does not send it again)."""
+        partial, self.partial_reduce = self.partial_reduce, None
+        return partial
 
     def zero_grad_if_partial(self) -> Optional[torch.Tensor]:
         """A zero gradient (shard dim in front) when a deferred partial sum waits for a backward

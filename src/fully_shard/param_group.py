@@ -8,8 +8,8 @@ by the group; clearing it means it is done.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -21,6 +21,53 @@ from .mesh import MeshInfo, PostForwardGroup
 from .lifecycle import GROUP_STATES, PHASES, ShardedState, TrainingPhase, advance
 from .param import FSDPParam
 
+if TYPE_CHECKING:
+    from .bucket import Bucket
+
+# Phases driven by the module hooks: only these gather a whole bucket. An explicit unshard(), the
+# unsharded() context and state-dict access gather the one group asked for.
+BUCKETED_PHASES = frozenset({"forward", "forward_prefetch", "backward", "backward_prefetch"})
+
+
+def label(groups: Sequence["FSDPParamGroup"]) -> str:
+    """How traces name the groups that share one collective: their paths joined by ``+``."""
+    return "+".join(g.fqn or "<root>" for g in groups)
+
+
+@dataclass(eq=False)
+class AllGather:
+    """One all-gather in flight, for one group or for several that share it (a bucket): each
+    rank's row holds the members' shards side by side, in member order."""
+
+    pending: Pending
+    world: int
+    members: list["FSDPParamGroup"]
+
+    def finish(self) -> None:
+        """Wait for it, then copy out into every member still waiting for it (one that resharded
+        meanwhile dropped out) and swap their unsharded parameters in; the output dies here."""
+        self.pending.wait()
+        rows = self.pending.keep_alive[0].view(self.world, -1)
+        self.pending.keep_alive = ()
+        widths = [g.row_bytes() for g in self.members]
+        slots = rows.shape[1] // sum(widths)  # > 1 only gathering back reshard_after_forward=int shares
+        waiting = [g._all_gather is self for g in self.members]
+        targets = [[p.alloc_all_gather_output() for p in g.params] if w else [] for g, w in zip(self.members, waiting)]
+        flat = [t for ts in targets for t in ts]
+        if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
+            outs = [t.view(torch.uint8).view(self.world, -1) for t in flat]  # type: ignore[union-attr]
+            collectives.all_gather_copy_out(rows, self.world, outs)
+        else:
+            offset = 0
+            for g, width, w, ts in zip(self.members, widths, waiting, targets):
+                if w:
+                    g._copy_out(rows[:, offset : offset + slots * width], slots, ts)
+                offset += slots * width
+        for g, w in zip(self.members, waiting):
+            if w:
+                g._all_gather = None
+                g._mark_unsharded()
+
 
 @dataclass
 class ReduceScatterPart:
@@ -31,6 +78,9 @@ class ReduceScatterPart:
     params: list[FSDPParam]
     plan: collectives.Reduction  # how it divides (what is left to divide by after it)
     phase: str = "backward"
+    name: str = ""  # the group(s) it reduces, as traces name them
+    # HSDP: the deferred partial sums of ``params``, taken when it was issued, added to its output.
+    partials: list[Optional[torch.Tensor]] = field(default_factory=list)
 
     def slices(self) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
         """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
@@ -46,6 +96,13 @@ class ReduceScatterResult:
 
     parts: list[ReduceScatterPart]
 
+    def finish(self) -> None:
+        """Wait for the reduction and add its output to the sharded gradients."""
+        with record_function(f"FSDP::reduce_scatter_wait {self.parts[0].name}"), torch.no_grad():
+            for part in self.parts:
+                part.pending.wait()  # CPU: runs `FSDPParamGroup._after_reduce_scatter` here
+                part.pending.keep_alive = ()
+
 
 class FSDPParamGroup:
     def __init__(self, params: list[FSDPParam], info: MeshInfo, fqn: str) -> None:
@@ -58,7 +115,9 @@ class FSDPParamGroup:
         self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
         self.phase = TrainingPhase.IDLE
         self.sharded_state = ShardedState.SHARDED
-        self._all_gather: Optional[Pending] = None
+        self._all_gather: Optional[AllGather] = None
+        # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
+        self.bucket: Optional["Bucket"] = None
         # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
         self._gathered_versions: tuple[int, ...] = ()
         # Reduced gradients are divided by this (None: the shard world size, i.e. an average).
@@ -66,7 +125,6 @@ class FSDPParamGroup:
         # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
-        self._all_gather_world = info.world_size  # world of the all-gather in flight
         # States between their pre-forward and post-forward that use these parameters: the owner,
         # and modules tied to them (`FSDPState.borrowed`). The last one out reshards.
         self.forward_users: set[int] = set()
@@ -84,7 +142,9 @@ class FSDPParamGroup:
         for p in self.params:
             p.precopy(memo)
         # comm: the copy's root gives it streams at lazy init.
-        return copy_fields(self, memo, comm=None, forward_users=set(), phase=TrainingPhase.IDLE, _post_forward_shard=None)
+        return copy_fields(
+            self, memo, comm=None, bucket=None, forward_users=set(), phase=TrainingPhase.IDLE, _post_forward_shard=None
+        )
 
     def refresh(self) -> None:
         """Re-derive what the group reads off its parameters (after one was replaced or converted)."""
@@ -139,7 +199,8 @@ class FSDPParamGroup:
         ``phase`` labels the collective in traces; ``after`` is a post-optimizer event the
         all-gather stream waits for instead of the whole compute stream. A copy gathered before a
         shard changed (an optimizer step after a forward whose backward never ran) is dropped and
-        gathered again: every caller gets current parameters.
+        gathered again: every caller gets current parameters. In a hook-driven phase, a group in a
+        `Bucket` gathers together with the bucket's members that run next (`Bucket.gather_with`).
         """
         if self.is_stale():
             self.reshard()
@@ -149,6 +210,7 @@ class FSDPParamGroup:
             with torch.no_grad():
                 self.sync_params()
         comm = self._comm()
+        members = [self]
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             # Gather back from the smaller group's shares; they came from the last full gather,
             # so the gathered versions stay those of that gather.
@@ -156,60 +218,71 @@ class FSDPParamGroup:
             inputs, dtype = [self._post_forward_shard], torch.uint8
             world, rank, group = self.post_forward.size, self.post_forward.rank, self.post_forward.group
         else:
-            self._gathered_versions = self._shard_versions()
+            if self.bucket is not None and phase in BUCKETED_PHASES:
+                members = self.bucket.gather_with(self, phase)
+            for g in members:
+                g._gathered_versions = g._shard_versions()
             dtype = self.all_gather_dtype
             inputs = None  # read on the all-gather stream: offloaded shards are copied to the device there
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
             if inputs is None:
-                if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
-                    inputs = [p.all_gather_input_bytes() for p in self.params]
-                else:  # one dtype: copy-in casts in place (the common case)
-                    inputs = [p.all_gather_input() for p in self.params]
+                inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
             work = collectives.all_gather(output, ag_input, group, comm.async_op) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
         if world > 1:
-            comm.record_collective(phase, self.fqn, "all_gather", self.all_gather_dtype, output.numel(), group)
-        self._all_gather = Pending(work=work, event=event, keep_alive=(output,))
-        self._all_gather_world = world
+            comm.record_collective(phase, label(members), "all_gather", self.all_gather_dtype, output.numel(), group)
+        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,)), world, members)
+        for g in members:
+            g._all_gather = gather
+
+    def _all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
+            return [p.all_gather_input_bytes() for p in self.params]
+        return [p.all_gather_input() for p in self.params]  # one dtype: copy-in casts in place
+
+    def row_bytes(self) -> int:
+        """Bytes this group puts in each rank's row of a full all-gather."""
+        return sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of this group's unsharded parameters (padding included)."""
+        return self.info.world_size * self.row_bytes()
 
     def wait_for_unshard(self) -> None:
-        """Wait for the all-gather, copy out into the unsharded parameters and swap them in."""
-        pending = self._all_gather
-        if pending is None:
+        """Wait for the all-gather, copy out into the unsharded parameters and swap them in (for
+        every group that shares the all-gather and still waits for it)."""
+        gather = self._all_gather
+        if gather is None:
             return
-        self._all_gather = None
         with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad():
-            pending.wait()
-            output = pending.keep_alive[0]
-            world = self._all_gather_world
-            targets = [p.alloc_all_gather_output() for p in self.params]
-            if all(t is not None for t in targets):  # every parameter sharded on dim 0: one copy
-                outs = [t.view(torch.uint8).view(world, -1) for t in targets]  # type: ignore[union-attr]
-                collectives.all_gather_copy_out(output, world, outs)
-            else:
-                self._copy_out_each(output, world, targets)
-        for p in self.params:
-            p.to_unsharded()
-        self._post_forward_shard = None
-        self._set_sharded_state(ShardedState.UNSHARDED)
+            gather.finish()
 
-    def _copy_out_each(self, output: torch.Tensor, world: int, targets: list[Optional[torch.Tensor]]) -> None:
-        rows = output.view(world, -1)
-        # Each row holds W / world shard-world slots (more than one when gathering back from
-        # reshard_after_forward=int shares); a parameter's bytes scale with that.
-        slots_per_row = rows.shape[1] // sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
+    def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[torch.Tensor]]) -> None:
+        """Fill this group's unsharded parameters from its ``(W, slots * row_bytes)`` columns of an
+        all-gather output (``slots`` > 1 when gathering back from reshard_after_forward=int shares)."""
+        world = rows.shape[0]
+        if slots == 1 and all(t is not None for t in targets):
+            outs = [t.view(torch.uint8).view(world, -1) for t in targets]  # type: ignore[union-attr]
+            torch.split_with_sizes_copy(rows, [o.shape[1] for o in outs], dim=1, out=outs)
+            return
         offset = 0
         for p, target in zip(self.params, targets):
-            nbytes = slots_per_row * p.shard_numel * p.param_dtype.itemsize
+            nbytes = slots * p.shard_numel * p.param_dtype.itemsize
             src = rows[:, offset : offset + nbytes]
             offset += nbytes
             if target is not None:
                 target.view(torch.uint8).view(world, -1).copy_(src)
             else:
                 p.copy_out(src.view(p.param_dtype))
+
+    def _mark_unsharded(self) -> None:
+        for p in self.params:
+            p.to_unsharded()
+        self._post_forward_shard = None
+        self._set_sharded_state(ShardedState.UNSHARDED)
 
     def _shard_versions(self) -> tuple[int, ...]:
         return tuple(p.shard_version for p in self.params)
@@ -226,7 +299,7 @@ class FSDPParamGroup:
     def reshard(self) -> None:
         """Free the unsharded parameters and point the modules at the shards (idempotent)."""
         if self._all_gather is not None:  # prefetched, never used: let it land before dropping its buffer
-            self._all_gather.wait()
+            self._all_gather.pending.wait()
             self._all_gather = None
         self._post_forward_shard = None
         if self.is_unsharded:
@@ -249,10 +322,14 @@ class FSDPParamGroup:
 
     # -- reduce-scatter --------------------------------------------------------------------------
 
-    def post_backward(self, phase: str = "backward", *, sync: bool = True, reshard: bool = True) -> Optional[ReduceScatterResult]:
+    def post_backward(
+        self, phase: str = "backward", *, sync: bool = True, reshard: bool = True, bucketed: bool = False
+    ) -> list[ReduceScatterResult]:
         """Reshard (if ``reshard``), then issue one reduce-scatter of every unsharded gradient
         backward made so far (if ``sync``; otherwise they stay on the unsharded parameters and
-        keep accumulating there until a backward that syncs)."""
+        keep accumulating there until a backward that syncs). ``bucketed``: hand them to the
+        group's bucket instead, which reduces once its last member in backward has added its own.
+        Returns the reductions issued (none, one, or a bucket's)."""
         self.set_phase(TrainingPhase.POST_BACKWARD)
         with record_function(f"FSDP::post_backward {self.fqn}"):
             params, grads = [], []
@@ -265,9 +342,18 @@ class FSDPParamGroup:
                     grads.append(grad)
             if reshard:
                 self.reshard()
-            result = self._reduce_scatter(params, grads, phase) if grads else None
+            if not grads:
+                results = []
+            elif bucketed and self.bucket is not None:
+                results = self.bucket.add_grads(self, params, grads, phase)
+            else:
+                results = [self.reduce_scatter(params, grads, phase, self.fqn)]
         self.set_phase(TrainingPhase.IDLE)
-        return result
+        return results
+
+    def reduction_key(self) -> tuple[object, ...]:
+        """Groups of one mesh with equal keys may share a reduce-scatter (same division, same ops)."""
+        return (self.gradient_divide_factor, self.force_sum_reduction, self.requires_all_reduce)
 
     def wait_for_offloaded_grads(self) -> None:
         """Block the host until every gradient copied to it this backward has landed."""
@@ -280,17 +366,19 @@ class FSDPParamGroup:
             p.take_unsharded_grad()
             p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
 
-    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str) -> ReduceScatterResult:
+    def reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str, name: str) -> ReduceScatterResult:
+        """Reduce ``grads`` (of ``params``: this group's, or a bucket's with this group's reduction
+        key) with one reduce-scatter per reduce dtype; ``name`` labels it in traces."""
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for p, g in zip(params, grads):
             bucket = by_dtype.setdefault(p.reduce_dtype, ([], []))
             bucket[0].append(p)
             bucket[1].append(g)
         grads.clear()
-        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, phase) for dtype, (ps, gs) in by_dtype.items()])
+        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, phase, name) for dtype, (ps, gs) in by_dtype.items()])
 
     def _reduce_scatter_one(
-        self, params: list[FSDPParam], grads: list[torch.Tensor], dtype: torch.dtype, phase: str
+        self, params: list[FSDPParam], grads: list[torch.Tensor], dtype: torch.dtype, phase: str, name: str
     ) -> ReduceScatterPart:
         comm = self._comm()
         slot = sum(p.shard_numel for p in params)
@@ -314,21 +402,16 @@ class FSDPParamGroup:
                     output = torch.empty(slot, dtype=dtype, device=self.info.device)
                     work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op, plan.op)
                     nbytes = rs_input.numel() * rs_input.element_size()
-                    comm.record_collective(phase, self.fqn, "reduce_scatter", dtype, nbytes, self.info.group, plan)
-                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase)
+                    comm.record_collective(phase, name, "reduce_scatter", dtype, nbytes, self.info.group, plan)
+                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase, name)
+                if self.info.is_hsdp and self.requires_all_reduce:
+                    part.partials = [p.take_partial_reduce() for p in params]
                 # HSDP all-reduce and accumulation once it lands: stream-ordered on accelerators
-                # (no host wait), in `finish_reduce` on CPU.
+                # (no host wait), in `ReduceScatterResult.finish` on CPU.
                 comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
                 if part.pending.event is not None and any(p.offload for p in params):
                     self.offload_events.append(part.pending.event)  # the host waits before the optimizer
         return part
-
-    def finish_reduce(self, result: ReduceScatterResult) -> None:
-        """Wait for a reduction and add its output to the sharded gradients."""
-        with record_function(f"FSDP::reduce_scatter_wait {self.fqn}"), torch.no_grad():
-            for part in result.parts:
-                part.pending.wait()  # CPU: runs `_after_reduce_scatter` here
-                part.pending.keep_alive = ()
 
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
@@ -339,11 +422,12 @@ class FSDPParamGroup:
                 for p, reduced in part.slices():
                     p.add_partial_reduce(reduced)
                 return
-            for p, reduced in part.slices():
-                p.pop_partial_reduce_into(reduced)
+            for (p, reduced), partial in zip(part.slices(), part.partials):
+                if partial is not None:
+                    reduced.add_(partial)
             nbytes = part.output.numel() * part.output.element_size()
             self._comm().record_collective(
-                part.phase, self.fqn, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
+                part.phase, part.name, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
             )
             collectives.all_reduce(part.output, self.info.replicate_group, part.plan.all_reduce_op)
         self._accumulate(part)

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from dataclasses import dataclass
 
+from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from .comm import CommContext
 from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
@@ -47,8 +48,26 @@ class RootContext:
         self.comm = comm
         self.post_forward_order: list[FSDPState] = []
         self.final_callback_queued = False
-        self.pending_reduce: Optional[tuple[FSDPParamGroup, ReduceScatterResult]] = None
+        self.pending_reduce: Optional[ReduceScatterResult] = None
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
+        self.buckets: list[Bucket] = []
+
+    def plan_buckets(self) -> None:
+        """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
+        if self.pending_reduce is not None or any(b.holds_grads for b in self.buckets):
+            raise RuntimeError(
+                f"fully_shard: set_bucket_bytes on {type(self.root.modules[0]).__name__} while gradients are being "
+                "reduced; call it between steps (after backward)."
+            )
+        owner = {id(s.group): s for s in self.states if s.group is not None}
+        lent = {id(g) for s in self.states for g in s.borrowed}
+        candidates = [
+            s.group if s.group is not None and s.may_share_collectives() and id(s.group) not in lent else None
+            for s in self.states
+        ]
+        self.buckets = plan_buckets(
+            candidates, self.root.settings.bucket_bytes, lambda g: owner[id(g)].follows_default_schedule()
+        )
 
     def post_forward_group(self, info: MeshInfo, size: int) -> PostForwardGroup:
         """One set of smaller groups per (shard group, size) under this root, made on first use."""
@@ -63,19 +82,18 @@ class RootContext:
         self.final_callback_queued = True
         Variable._execution_engine.queue_callback(self.on_backward_end)
 
-    def start_reduce(self, group: FSDPParamGroup, result: Optional[ReduceScatterResult]) -> None:
+    def start_reduce(self, results: list[ReduceScatterResult]) -> None:
         # One reduce-scatter in flight at a time: it overlaps the next group's backward, and the
         # memory of at most one gradient buffer is held for it.
-        self.finish_pending_reduce()
-        if result is not None:
-            self.pending_reduce = (group, result)
+        for result in results:
+            self.finish_pending_reduce()
+            self.pending_reduce = result
 
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is None:
             return
-        group, result = self.pending_reduce
-        self.pending_reduce = None
-        group.finish_reduce(result)
+        result, self.pending_reduce = self.pending_reduce, None
+        result.finish()
 
     def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """The state whose forward ran just before ``state``'s: it runs next in backward.
@@ -94,6 +112,8 @@ class RootContext:
         with record_function("FSDP::backward_end"):
             for state in self.states:
                 state.finish_backward()
+            for bucket in self.buckets:  # gradients of members whose bucket-mates did not run
+                self.start_reduce(bucket.flush("end_of_backward"))
             # Not the last backward before the step (micro-batching): leave the last
             # reduce-scatter in flight and keep the prefetch order for the backwards to come.
             if self.root.settings.is_last_backward:
@@ -107,9 +127,11 @@ class RootContext:
     def reset(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
         if self.pending_reduce is not None:
-            for part in self.pending_reduce[1].parts:
+            for part in self.pending_reduce.parts:
                 part.pending.discard()  # let the collective land before dropping its buffers
             self.pending_reduce = None
+        for bucket in self.buckets:
+            bucket.discard()
         for state in self.states:
             state.reset()
         self.post_forward_order.clear()
@@ -165,6 +187,7 @@ class StateSettings:
     forward_prefetch: Optional[list["FSDPState"]] = None  # None: no forward prefetch
     backward_prefetch: Optional[list["FSDPState"]] = None  # None: implicit (reverse forward order)
     post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # read from the root's settings (bucket.py)
 
 
 def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
@@ -238,6 +261,7 @@ class FSDPState:
         ctx = RootContext(self, states, CommContext(self.info.device))
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
+        ctx.plan_buckets()
 
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx
@@ -249,6 +273,24 @@ class FSDPState:
             if _is_int_setting(self.reshard_after_forward):
                 self.group.post_forward = ctx.post_forward_group(self.info, int(self.reshard_after_forward))
             self.group.fqn = fqn
+
+    def may_share_collectives(self) -> bool:
+        """Whether this module's group may join a bucket at all (see bucket.py): not the root's
+        (gathered first, kept through forward), not offloaded, not tensor-parallel."""
+        group = self.group
+        return (
+            group is not None and not self.is_root and not self.borrowed
+            and not any(p.offload or p.tp is not None for p in group.params)
+        )
+
+    def follows_default_schedule(self) -> bool:
+        """Whether the settings leave this module on the schedule a bucket assumes (reshard after
+        forward and after backward, unshard in backward, implicit prefetch)."""
+        s = self.settings
+        return (
+            self.reshard_after_forward is True and s.reshard_after_backward and s.unshard_in_backward
+            and s.forward_prefetch is None and s.backward_prefetch is None
+        )
 
     def resolve_reshard_after_forward(self) -> None:
         setting = self.settings.reshard_after_forward
@@ -337,6 +379,9 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         group = self.group
+        if self.is_root and self.ctx is not None and not _in_backward():
+            for bucket in self.ctx.buckets:
+                bucket.reshard_unused()
         if not self.groups or _in_backward():
             # Recompute inside backward: backward needs these parameters next; its own
             # post-backward reshards them.
@@ -427,10 +472,11 @@ class FSDPState:
 
     def _post_backward(self, phase: str) -> None:
         assert self.group is not None
-        result = self.group.post_backward(
-            phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward
+        results = self.group.post_backward(
+            phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
+            bucketed=self.follows_default_schedule(),
         )
-        self.root_context().start_reduce(self.group, result)
+        self.root_context().start_reduce(results)
 
     def finish_backward(self) -> None:
         """End of backward: reduce whatever gradients the post-backward signals missed."""
