@@ -21,7 +21,10 @@ residual blocks), each block and the root sharded, same seed, same data, in one 
   output, reduce-scatter input); DDP's all-reduce runs inside its C++ reducer, unseen by the
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
-Options: --model {llama,wide,deep-narrow} --rounds R --steps-per-round K --warmup W --dim D --layers L
+``--unbucketed`` adds a row for ours with bucketing off; ``--hsdp`` shards over a (2, world/2)
+(replicate, shard) mesh.
+
+Options: --model {llama,wide,deep-narrow} --unbucketed --hsdp --rounds R --steps-per-round K --warmup W --dim D --layers L
          --batch B --seq-len S --out FILE --param-dtype {fp32,bf16}
 """
 
@@ -108,15 +111,21 @@ PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 def build(name: str, args: argparse.Namespace) -> Impl:
     model, blocks = make_model(args.model, args)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if args.hsdp:  # (replicate, shard): 2 replicas of world / 2 shards each
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     dtype = PARAM_DTYPES[args.param_dtype]
-    if name == "ours":
+    if name in ("ours", "ours_unbucketed"):
         from fully_shard import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for block in blocks:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
+        if name == "ours_unbucketed":
+            model.set_bucket_bytes(0)
     elif name == "torch_fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -258,6 +267,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
     p.add_argument("--memory-repeats", type=int, default=7, help="fresh builds per implementation for the memory median")
+    p.add_argument("--unbucketed", action="store_true",
+                   help="also time ours with bucketing off (set_bucket_bytes(0)): what buckets cost and save")
+    p.add_argument("--hsdp", action="store_true", help="both FSDPs on a (2, world/2) (replicate, shard) mesh")
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
     args = p.parse_args()
@@ -269,6 +281,10 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
     names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]
+    if args.unbucketed:
+        names.insert(1, "ours_unbucketed")
+    if args.hsdp and (world < 4 or world % 2):
+        raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 
     memory = measure_memory(names, args)
 
@@ -301,7 +317,8 @@ def main() -> None:
                  "wide": f"{args.layers} x Linear({args.dim}, {args.dim}), global batch {args.batch}",
                  "deep-narrow": f"{args.layers} blocks of x + relu(Linear({args.dim}, {args.dim})(x)), global batch {args.batch}"}[args.model]
         lines = [
-            f"world {world}, CPU/gloo, {args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
+            f"world {world}{' as HSDP (2 replicas x ' + str(world // 2) + ' shards)' if args.hsdp else ''}, CPU/gloo, "
+            f"{args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
             f"{args.steps_per_round} steps; RSS memory: median of {args.memory_repeats} builds; torch {torch.__version__}",
             "",
             "| implementation | median step (ms) [min-max] | ours / this | host CPU ms/step | peak live tensor MiB per rank | ours / this | peak RSS MiB per rank | collectives / step | comm MiB / rank / step |",

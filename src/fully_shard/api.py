@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .lifecycle import Event
 from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for
 from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
@@ -182,8 +183,8 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is not None and not state.is_root:
             raise ValueError(
-                f"set_bucket_bytes on {type(self).__name__} ({state.fqn}), which is not a root: buckets span every "
-                f"module under one root. Fix: call it on the root module ({type(state.ctx.root.modules[0]).__name__})."
+                f"set_bucket_bytes on module '{state.fqn}' ({_original_name(self)}), which is not a root: buckets span "
+                f"every module under one root. Fix: call it on the root module ({_original_name(state.ctx.root.modules[0])})."
             )
         state.settings.bucket_bytes = nbytes
         if state.ctx is not None:
@@ -208,7 +209,7 @@ class FSDPModule:
         Gradients already reduced into ``.grad`` stay; call ``optimizer.zero_grad()`` to drop them."""
         state = self._get_fsdp_state()
         if state.ctx is not None:
-            state.ctx.reset()
+            state.ctx.handle(Event.RESET)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -255,6 +256,12 @@ class _ForwardMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self.state.pre_forward(self.module, args, kwargs)
         return self.state.post_forward(self.module, args, self.method(*args, **kwargs))
+
+
+def _original_name(module: nn.Module) -> str:
+    """The class name the user wrote (not the ``FSDP``-prefixed class fully_shard made)."""
+    cls = type(module)
+    return cls.__mro__[2].__name__ if issubclass(cls, FSDPModule) else cls.__name__
 
 
 @functools.cache

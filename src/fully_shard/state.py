@@ -11,7 +11,10 @@ through `api._OutsideCompile`, so they run eagerly outside ``torch.compile``'s g
 * forward hook      -> `FSDPState.post_forward`: reshard, remember order, hook outputs for backward
 * output grad hook  -> `FSDPState.pre_backward`: unshard again, prefetch the next group in backward
 * input grad signal -> `FSDPState.post_backward`: reshard, reduce-scatter gradients
-* engine callback   -> `RootContext.on_backward_end`: finish groups the signals missed, wait, reset
+* engine callback   -> `RootContext.finish_backward`: finish groups the signals missed, wait
+
+The root's iteration is a state machine (lifecycle.ITERATION): hooks report an `Event` to
+`RootContext.handle`, and the table says which phase follows and which method runs.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
-from .lifecycle import TrainingPhase
+from .lifecycle import ITERATION, Event, IterationPhase, TrainingPhase
 from .param_group import FSDPParamGroup, ReduceScatterResult
 
 
@@ -47,7 +50,7 @@ class RootContext:
         self.states = states
         self.comm = comm
         self.post_forward_order: list[FSDPState] = []
-        self.final_callback_queued = False
+        self.phase = IterationPhase.IDLE
         self.pending_reduce: Optional[ReduceScatterResult] = None
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
@@ -76,11 +79,39 @@ class RootContext:
             self._post_forward_groups[key] = post_forward_groups(info, size)
         return self._post_forward_groups[key]
 
-    def queue_final_callback(self) -> None:
-        if self.final_callback_queued:
-            return
-        self.final_callback_queued = True
-        Variable._execution_engine.queue_callback(self.on_backward_end)
+    # -- the iteration's lifecycle: hooks report events, the table (lifecycle.ITERATION) decides --
+
+    def handle(self, event: Event) -> None:
+        step = ITERATION.get((self.phase, event))
+        if step is None:
+            raise RuntimeError(
+                f"fully_shard root {type(self.root.modules[0]).__name__}: {event.name} is not expected while the "
+                f"iteration is in {self.phase.name}; this is a bug in fully_shard, please report it with the trace."
+            )
+        self.phase = step.to
+        if step.action:
+            getattr(self, step.action)()
+
+    def start_iteration(self) -> None:
+        """A root forward starts: hook up the traces opened around it."""
+        attach_active_traces(self.comm.tracers)
+        for t in self.comm.tracers:
+            t.begin_step()
+
+    def recover_and_start(self) -> None:
+        warnings.warn(
+            f"fully_shard: the previous backward through {type(self.root.modules[0]).__name__} did not finish "
+            "(it raised); resetting its state and discarding its unreduced gradients. Gradients it "
+            "had already reduced are still in .grad: call optimizer.zero_grad() before the next step "
+            "(and call reset_iter_state() yourself after catching such an exception to silence this).",
+            stacklevel=4,
+        )
+        self.reset_iteration()
+        self.start_iteration()
+
+    def begin_backward(self) -> None:
+        """The first gradients reached a sharded module: have autograd call us when backward ends."""
+        Variable._execution_engine.queue_callback(lambda: self.handle(Event.BACKWARD_END))
 
     def start_reduce(self, results: list[ReduceScatterResult]) -> None:
         # One reduce-scatter in flight at a time: it overlaps the next group's backward, and the
@@ -108,7 +139,9 @@ class RootContext:
                 return order[i - 1] if i > 0 else None
         return None
 
-    def on_backward_end(self) -> None:
+    def finish_backward(self) -> None:
+        """End of backward: reduce what the post-backward signals missed, and, after the last
+        backward before the optimizer step, wait for every reduction."""
         with record_function("FSDP::backward_end"):
             for state in self.states:
                 state.finish_backward()
@@ -122,9 +155,9 @@ class RootContext:
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     if state.group is not None:
                         state.group.wait_for_offloaded_grads()
-            self.final_callback_queued = False
+        self.handle(Event.FINALIZED)
 
-    def reset(self) -> None:
+    def reset_iteration(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
         if self.pending_reduce is not None:
             for part in self.pending_reduce.parts:
@@ -135,7 +168,6 @@ class RootContext:
         for state in self.states:
             state.reset()
         self.post_forward_order.clear()
-        self.final_callback_queued = False
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -235,7 +267,7 @@ class FSDPState:
         self._members_done: set[int] = set()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
-        if self.ctx is not None and (self.ctx.pending_reduce is not None or self.ctx.final_callback_queued):
+        if self.ctx is not None and (self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD):
             refuse_busy(f"module {self.fqn or '<root>'}", "is between forward and the end of its backward")
         for group in self.groups:  # before `modules` leads deepcopy to the parameters (FSDPParam.precopy)
             for p in group.params:
@@ -314,8 +346,9 @@ class FSDPState:
         after: Optional[torch.Event] = None
         if self.is_root:
             args, kwargs = self._move_inputs(args, kwargs)
-            if not in_backward:
-                after = self._start_iteration()
+            self.root_context().handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
+            if not in_backward:  # accelerators: the first all-gather waits only for the optimizer step
+                after, self.settings.post_optim_event = self.settings.post_optim_event, None
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -354,26 +387,6 @@ class FSDPState:
             g.unshard(phase, after)
         for g in self.groups:
             g.wait_for_unshard()
-
-    def _start_iteration(self) -> Optional[torch.Event]:
-        """Root, start of a forward: recover from a backward that died; hook up open traces;
-        hand over a post-optimizer event."""
-        ctx = self.root_context()
-        if ctx.final_callback_queued and torch._C._current_autograd_node() is None:
-            # The engine runs queued callbacks only when backward succeeds: this one raised.
-            warnings.warn(
-                f"fully_shard: the previous backward through {type(self.modules[0]).__name__} did not finish "
-                "(it raised); resetting its state and discarding its unreduced gradients. Gradients it "
-                "had already reduced are still in .grad: call optimizer.zero_grad() before the next step "
-                "(and call reset_iter_state() yourself after catching such an exception to silence this).",
-                stacklevel=3,
-            )
-            ctx.reset()
-        attach_active_traces(ctx.comm.tracers)
-        for t in ctx.comm.tracers:
-            t.begin_step()
-        event, self.settings.post_optim_event = self.settings.post_optim_event, None
-        return event
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
@@ -447,7 +460,7 @@ class FSDPState:
 
     def pre_backward(self, *unused: Any) -> None:
         ctx = self.root_context()
-        ctx.queue_final_callback()
+        ctx.handle(Event.PRE_BACKWARD)
         group = self.group
         if not self.groups:
             return
