@@ -359,3 +359,47 @@ def test_forward_without_backward_never_uses_stale_parameters(ranks, world_size)
 def test_eval_under_no_grad(ranks, world_size):
     for r in ranks(world_size).run(_eval_under_no_grad):
         assert r["diff"] <= TOL64 and r["unsharded"] == 0, r
+
+
+def _iteration_phases() -> dict:
+    """The root's iteration phase at each point of two micro-batches, an evaluation forward and a
+    second backward through a retained graph; and what an event the table does not allow does."""
+    from fully_shard.lifecycle import Event
+
+    model, _ = nested_mlp_and_reference()
+    ctx_phase = lambda: model._get_fsdp_state().ctx.phase.name  # noqa: E731
+    seen = []
+    model[2].register_full_backward_hook(lambda *_: seen.append(("in backward", ctx_phase())))
+    x, y = mlp_batch(0)
+    loss = _mlp_loss(model, x, y)
+    seen.append(("after forward", ctx_phase()))
+    loss.backward(retain_graph=True)
+    seen.append(("after backward", ctx_phase()))
+    loss.backward()  # the retained graph again: a backward with no forward before it
+    seen.append(("after second backward", ctx_phase()))
+    with torch.no_grad():
+        model(x)
+    seen.append(("after no-grad forward", ctx_phase()))
+    _mlp_loss(model, x, y).backward()
+    seen.append(("after next step", ctx_phase()))
+    try:
+        model._get_fsdp_state().ctx.handle(Event.BACKWARD_END)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    return {"seen": seen, "error": error}
+
+
+def test_iteration_phases_follow_the_table(ranks):
+    (r,) = ranks(1).run(_iteration_phases)
+    assert r["seen"] == [
+        ("after forward", "FORWARD"),
+        ("in backward", "BACKWARD"),
+        ("after backward", "IDLE"),
+        ("in backward", "BACKWARD"),
+        ("after second backward", "IDLE"),
+        ("after no-grad forward", "FORWARD"),
+        ("in backward", "BACKWARD"),
+        ("after next step", "IDLE"),
+    ], r["seen"]
+    assert "root FSDPSequential: BACKWARD_END is not expected while in IDLE" in r["error"], r["error"]

@@ -12,7 +12,9 @@ from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, f
 from fully_shard import collectives
 from fully_shard.discovery import _device_usable
 from fully_shard.layout import ShardLayout, local_rows, rows_per_rank
-from fully_shard.lifecycle import GROUP_STATES, PHASES, TrainingPhase
+from fully_shard.lifecycle import (
+    GROUP_STATES, ITERATION, MODULE, Event, IterationPhase, ModuleEvent, ShardedState, TrainingPhase, advance, step_for,
+)
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
@@ -58,18 +60,32 @@ def test_policies_validate():
     assert isinstance(CPUOffloadPolicy(), OffloadPolicy)
 
 
-def test_phase_table_rejects_illegal_moves():
-    from fully_shard.param_group import FSDPParamGroup
+def test_lifecycle_tables_decide_and_reject_illegal_moves():
+    with pytest.raises(RuntimeError, match="group layers.0: illegal transition SHARDED -> SHARDED_POST_FORWARD"):
+        advance(GROUP_STATES, ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD, "group layers.0")
+    for state, allowed in GROUP_STATES.items():
+        assert state not in allowed and allowed <= set(GROUP_STATES)
+    with pytest.raises(RuntimeError, match="module layers.0: FORWARD_DONE is not expected while in POST_BACKWARD"):
+        step_for(MODULE, TrainingPhase.POST_BACKWARD, ModuleEvent.FORWARD_DONE, "module layers.0")
+    # Every action a table names is a method of what consults it; every phase can be reset.
+    from fully_shard.state import FSDPState, RootContext
 
-    group = FSDPParamGroup.__new__(FSDPParamGroup)
-    group.fqn = "layers.0"
-    group.phase = TrainingPhase.POST_BACKWARD
-    with pytest.raises(RuntimeError, match="group layers.0: illegal transition POST_BACKWARD -> FORWARD"):
-        group.set_phase(TrainingPhase.FORWARD)
-    group.set_phase(TrainingPhase.POST_BACKWARD)  # staying put is always allowed
-    for table in (PHASES, GROUP_STATES):
-        for state, allowed in table.items():
-            assert state not in allowed and allowed <= set(table)
+    for table, owner, phases in ((MODULE, FSDPState, TrainingPhase), (ITERATION, RootContext, IterationPhase)):
+        for step in table.values():
+            assert not step.action or callable(getattr(owner, step.action)), step
+        reset = ModuleEvent.RESET if table is MODULE else Event.RESET
+        assert all(table[(p, reset)].to.name == "IDLE" for p in phases)
+    # One training step of one module, as the hooks report it.
+    phase, seen = TrainingPhase.IDLE, []
+    for event in (ModuleEvent.FORWARD, ModuleEvent.FORWARD_DONE, ModuleEvent.PRE_BACKWARD, ModuleEvent.RECOMPUTE,
+                  ModuleEvent.GRADIENTS_READY, ModuleEvent.BACKWARD_END):
+        step = step_for(MODULE, phase, event, "m")
+        phase = step.then or step.to
+        seen.append((step.action, phase.name))
+    assert seen == [
+        ("unshard_for_forward", "FORWARD"), ("after_forward", "IDLE"), ("unshard_for_backward", "PRE_BACKWARD"),
+        ("unshard_for_recompute", "PRE_BACKWARD"), ("reduce", "IDLE"), ("reduce_leftovers", "IDLE"),
+    ]
 
 
 def test_all_gather_layout_round_trips():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 
 class ShardedState(Enum):
@@ -16,26 +16,18 @@ class ShardedState(Enum):
 
 
 class TrainingPhase(Enum):
+    """Where one sharded module is in the iteration (`FSDPState.phase`)."""
+
     IDLE = auto()
-    FORWARD = auto()
-    PRE_BACKWARD = auto()
-    POST_BACKWARD = auto()
+    FORWARD = auto()  # between its pre-forward and its post-forward
+    PRE_BACKWARD = auto()  # its outputs got gradients; its parameters' gradients are being made
+    POST_BACKWARD = auto()  # its gradients are being resharded and reduced
 
 
 GROUP_STATES: dict[ShardedState, set[ShardedState]] = {
     ShardedState.SHARDED: {ShardedState.UNSHARDED},
     ShardedState.UNSHARDED: {ShardedState.SHARDED, ShardedState.SHARDED_POST_FORWARD},
     ShardedState.SHARDED_POST_FORWARD: {ShardedState.UNSHARDED, ShardedState.SHARDED},
-}
-
-# FORWARD from PRE_BACKWARD: activation checkpointing recomputes forward inside backward.
-# POST_BACKWARD from IDLE/FORWARD: the end-of-backward callback finishes groups whose
-# pre-backward hook never fired (their outputs did not reach the loss through a hooked tensor).
-PHASES: dict[TrainingPhase, set[TrainingPhase]] = {
-    TrainingPhase.IDLE: {TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
-    TrainingPhase.FORWARD: {TrainingPhase.IDLE, TrainingPhase.PRE_BACKWARD, TrainingPhase.POST_BACKWARD},
-    TrainingPhase.PRE_BACKWARD: {TrainingPhase.FORWARD, TrainingPhase.POST_BACKWARD, TrainingPhase.IDLE},
-    TrainingPhase.POST_BACKWARD: {TrainingPhase.IDLE},
 }
 
 class IterationPhase(Enum):
@@ -54,16 +46,17 @@ class Event(Enum):
     RECOMPUTE = auto()  # a forward inside backward (activation checkpointing recomputes)
     PRE_BACKWARD = auto()  # a sharded module's outputs got their gradients
     BACKWARD_END = auto()  # autograd ran the queued end-of-backward callback
-    FINALIZED = auto()  # that callback finished its work
     RESET = auto()  # reset_iter_state(): forget the iteration in flight
 
 
 @dataclass(frozen=True)
 class Step:
-    """A transition: the phase to enter and the `RootContext` method that runs (``""``: none)."""
+    """A transition: the phase to enter, the method that runs in it (``""``: none), and the phase
+    to enter once that method returns (``None``: stay)."""
 
-    to: IterationPhase
+    to: Enum
     action: str = ""
+    then: Optional[Enum] = None
 
 
 _I, _E = IterationPhase, Event
@@ -83,10 +76,54 @@ ITERATION: dict[tuple[IterationPhase, Event], Step] = {
     # A backward with no forward since the last one ended: a retained graph run again.
     (_I.IDLE, _E.PRE_BACKWARD): Step(_I.BACKWARD, "begin_backward"),
     (_I.BACKWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD),
-    (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, "finish_backward"),
-    (_I.FINALIZING, _E.FINALIZED): Step(_I.IDLE),
+    (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, "finish_backward", then=_I.IDLE),
     **{(phase, _E.RESET): Step(_I.IDLE, "reset_iteration") for phase in IterationPhase},
 }
+
+
+class ModuleEvent(Enum):
+    """What a sharded module's hooks report (`FSDPState.handle`)."""
+
+    FORWARD = auto()  # pre-forward, outside backward
+    FORWARD_DONE = auto()  # post-forward (of every module of a list-form call)
+    RECOMPUTE = auto()  # pre-forward inside backward: activation checkpointing recomputes it
+    PRE_BACKWARD = auto()  # its outputs got their gradients
+    GRADIENTS_READY = auto()  # post-backward signal: every gradient of its first forward use exists
+    BACKWARD_END = auto()  # the root's end of backward: reduce what no signal covered
+    RESET = auto()
+
+
+_P, _M = TrainingPhase, ModuleEvent
+# One sharded module: (phase, event) -> Step; the `FSDPState` method named runs. A pair missing
+# here raises, naming the module and both. RECOMPUTE, BACKWARD_END and RESET can come in any phase.
+MODULE: dict[tuple[TrainingPhase, ModuleEvent], Step] = {
+    (_P.IDLE, _M.FORWARD): Step(_P.FORWARD, "unshard_for_forward"),
+    # List form: the next module of the call; or a module that runs inside its own forward.
+    (_P.FORWARD, _M.FORWARD): Step(_P.FORWARD, "unshard_for_forward"),
+    (_P.FORWARD, _M.FORWARD_DONE): Step(_P.IDLE, "after_forward"),
+    # Gradients reach the module's outputs (also while its forward runs: autograd.grad inside it).
+    (_P.IDLE, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, "unshard_for_backward"),
+    (_P.FORWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, "unshard_for_backward"),
+    # Used twice in forward: its second use's outputs get gradients too.
+    (_P.PRE_BACKWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, "unshard_for_backward"),
+    # The signal fires when the module's parameter gradients exist; with several forward uses, once
+    # for all of them. Without a pre-backward (its outputs reached the loss only untracked) too.
+    **{(p, _M.GRADIENTS_READY): Step(_P.POST_BACKWARD, "reduce", then=_P.IDLE) for p in (_P.IDLE, _P.PRE_BACKWARD)},
+    **{(p, _M.RECOMPUTE): Step(p, "unshard_for_recompute") for p in TrainingPhase},
+    **{(p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, "reduce_leftovers", then=_P.IDLE) for p in TrainingPhase},
+    **{(p, _M.RESET): Step(_P.IDLE, "reset_module") for p in TrainingPhase},
+}
+
+
+def step_for(table: dict[tuple[Enum, Enum], Step], phase: Enum, event: Enum, owner: str) -> Step:
+    """The transition ``table`` gives for ``event`` in ``phase``; raise, naming ``owner``, if none."""
+    step = table.get((phase, event))
+    if step is None:
+        raise RuntimeError(
+            f"fully_shard {owner}: {event.name} is not expected while in {phase.name}; this is a bug in "
+            "fully_shard, please report it with the trace (fully_shard.debug.trace())."
+        )
+    return step
 
 
 S = TypeVar("S", ShardedState, TrainingPhase)

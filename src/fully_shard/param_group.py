@@ -18,7 +18,7 @@ from . import collectives
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
 from .mesh import MeshInfo, PostForwardGroup
-from .lifecycle import GROUP_STATES, PHASES, ShardedState, TrainingPhase, advance
+from .lifecycle import GROUP_STATES, ShardedState, advance
 from .param import FSDPParam
 
 if TYPE_CHECKING:
@@ -113,7 +113,6 @@ class FSDPParamGroup:
         self.fqn = fqn
         self.refresh()
         self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
-        self.phase = TrainingPhase.IDLE
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: Optional[AllGather] = None
         # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
@@ -143,7 +142,7 @@ class FSDPParamGroup:
             p.precopy(memo)
         # comm: the copy's root gives it streams at lazy init.
         return copy_fields(
-            self, memo, comm=None, bucket=None, forward_users=set(), phase=TrainingPhase.IDLE, _post_forward_shard=None
+            self, memo, comm=None, bucket=None, forward_users=set(), _post_forward_shard=None
         )
 
     def refresh(self) -> None:
@@ -175,9 +174,6 @@ class FSDPParamGroup:
 
     def _set_sharded_state(self, to: ShardedState) -> None:
         self.sharded_state = advance(GROUP_STATES, self.sharded_state, to, f"group {self.fqn or '<root>'}")
-
-    def set_phase(self, phase: TrainingPhase) -> None:
-        self.phase = advance(PHASES, self.phase, phase, f"group {self.fqn or '<root>'}")
 
     @property
     def is_unsharded(self) -> bool:
@@ -330,7 +326,6 @@ class FSDPParamGroup:
         keep accumulating there until a backward that syncs). ``bucketed``: hand them to the
         group's bucket instead, which reduces once its last member in backward has added its own.
         Returns the reductions issued (none, one, or a bucket's)."""
-        self.set_phase(TrainingPhase.POST_BACKWARD)
         with record_function(f"FSDP::post_backward {self.fqn}"):
             params, grads = [], []
             for p in self.trainable if sync else ():
@@ -348,7 +343,6 @@ class FSDPParamGroup:
                 results = self.bucket.add_grads(self, params, grads, phase)
             else:
                 results = [self.reduce_scatter(params, grads, phase, self.fqn)]
-        self.set_phase(TrainingPhase.IDLE)
         return results
 
     def reduction_key(self) -> tuple[object, ...]:

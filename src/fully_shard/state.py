@@ -38,7 +38,7 @@ from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
-from .lifecycle import ITERATION, Event, IterationPhase, TrainingPhase
+from .lifecycle import ITERATION, MODULE, Event, IterationPhase, ModuleEvent, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
 
 
@@ -82,15 +82,12 @@ class RootContext:
     # -- the iteration's lifecycle: hooks report events, the table (lifecycle.ITERATION) decides --
 
     def handle(self, event: Event) -> None:
-        step = ITERATION.get((self.phase, event))
-        if step is None:
-            raise RuntimeError(
-                f"fully_shard root {type(self.root.modules[0]).__name__}: {event.name} is not expected while the "
-                f"iteration is in {self.phase.name}; this is a bug in fully_shard, please report it with the trace."
-            )
+        step = step_for(ITERATION, self.phase, event, f"root {type(self.root.modules[0]).__name__}")
         self.phase = step.to
         if step.action:
             getattr(self, step.action)()
+        if step.then is not None:
+            self.phase = step.then
 
     def start_iteration(self) -> None:
         """A root forward starts: hook up the traces opened around it."""
@@ -155,7 +152,6 @@ class RootContext:
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     if state.group is not None:
                         state.group.wait_for_offloaded_grads()
-        self.handle(Event.FINALIZED)
 
     def reset_iteration(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
@@ -262,6 +258,7 @@ class FSDPState:
         self.fqn = ""
         # Post-backward signals attached in forward that have not fired yet: the group reduces
         # when this returns to zero, i.e. after the backward of its *first* forward use.
+        self.phase = TrainingPhase.IDLE  # this module's lifecycle (lifecycle.MODULE)
         self._signals_pending = 0
         # List form: members that finished forward since the group last unsharded.
         self._members_done: set[int] = set()
@@ -274,7 +271,7 @@ class FSDPState:
                 p.precopy(memo)
         # The copy finds its own root at its first forward; an event belongs to the original's stream.
         settings = copy.deepcopy(dataclasses.replace(self.settings, post_optim_event=None), memo)
-        return copy_fields(self, memo, ctx=None, is_root=False, settings=settings, _signals_pending=0, _members_done=set())
+        return copy_fields(self, memo, ctx=None, is_root=False, settings=settings, _signals_pending=0, _members_done=set(), phase=TrainingPhase.IDLE)
 
     # -- lazy init -------------------------------------------------------------------------------
 
@@ -352,14 +349,26 @@ class FSDPState:
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
-        group = self.group
         if not self.groups:
             return args, kwargs
         if in_backward:
-            return self._pre_recompute(args, kwargs)
+            self.handle(ModuleEvent.RECOMPUTE)
+            return args, kwargs
+        return self.handle(ModuleEvent.FORWARD, args, kwargs, after)
+
+    # -- the module's lifecycle: hooks report events, the table (lifecycle.MODULE) decides ------
+
+    def handle(self, event: ModuleEvent, *payload: Any) -> Any:
+        step = step_for(MODULE, self.phase, event, f"module {self.fqn or '<root>'}")
+        self.phase = step.to
+        result = getattr(self, step.action)(*payload)
+        if step.then is not None:
+            self.phase = step.then
+        return result
+
+    def unshard_for_forward(self, args: tuple, kwargs: dict, after: Optional[torch.Event]) -> tuple[tuple, dict]:
+        group = self.group
         with record_function(f"FSDP::pre_forward {self.fqn}"):
-            if group is not None:
-                group.set_phase(TrainingPhase.FORWARD)
             for g in self.groups:
                 g.forward_users.add(id(self))
             self._unshard_groups("forward", after)
@@ -370,7 +379,7 @@ class FSDPState:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
 
-    def _pre_recompute(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def unshard_for_recompute(self) -> None:
         """Forward inside backward: activation checkpointing recomputes this module.
 
         Only make sure the parameters are there (usually they are: this module's pre-backward
@@ -379,7 +388,6 @@ class FSDPState:
         """
         with record_function(f"FSDP::pre_recompute {self.fqn}"):
             self._unshard_groups("backward")
-        return args, kwargs
 
     def _unshard_groups(self, phase: str, after: Optional[torch.Event] = None) -> None:
         """Own group and borrowed ones: issue every all-gather first, then wait for them."""
@@ -391,7 +399,6 @@ class FSDPState:
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
-        group = self.group
         if self.is_root and self.ctx is not None and not _in_backward():
             for bucket in self.ctx.buckets:
                 bucket.reshard_unused()
@@ -399,26 +406,27 @@ class FSDPState:
             # Recompute inside backward: backward needs these parameters next; its own
             # post-backward reshards them.
             return output
+        if torch.is_grad_enabled():
+            output = self._hook_outputs_for_backward(output)
+        if self._all_members_done(module):
+            self.handle(ModuleEvent.FORWARD_DONE)
+        return output
+
+    def after_forward(self) -> None:
+        """Reshard as the settings say (fully, to the smaller group, or keep); without grad no
+        backward will come for these parameters, so keep nothing unsharded."""
         grad_enabled = torch.is_grad_enabled()
         with record_function(f"FSDP::post_forward {self.fqn}"):
-            if grad_enabled:
-                output = self._hook_outputs_for_backward(output)
-            if not self._all_members_done(module):
-                return output
             for g in self.groups:
                 g.forward_users.discard(id(self))
                 if g.forward_users:
                     continue  # a module still inside its forward uses these parameters (tied weights)
-                # Without grad no backward will come for these parameters: keep nothing unsharded.
                 if not grad_enabled or self.reshard_after_forward is True:
                     g.reshard()
                 elif _is_int_setting(self.reshard_after_forward) and g.post_forward is not None:
                     g.reshard_to_post_forward()
-            if group is not None:
-                group.set_phase(TrainingPhase.IDLE)
-            if grad_enabled and group is not None:
+            if grad_enabled and self.group is not None:
                 self.root_context().post_forward_order.append(self)
-        return output
 
     def _all_members_done(self, module: nn.Module) -> bool:
         if len(self.modules) == 1:
@@ -459,14 +467,13 @@ class FSDPState:
     # -- backward --------------------------------------------------------------------------------
 
     def pre_backward(self, *unused: Any) -> None:
+        self.root_context().handle(Event.PRE_BACKWARD)
+        if self.groups:
+            self.handle(ModuleEvent.PRE_BACKWARD)
+
+    def unshard_for_backward(self) -> None:
         ctx = self.root_context()
-        ctx.handle(Event.PRE_BACKWARD)
-        group = self.group
-        if not self.groups:
-            return
         with record_function(f"FSDP::pre_backward {self.fqn}"):
-            if group is not None:
-                group.set_phase(TrainingPhase.PRE_BACKWARD)
             if self.settings.unshard_in_backward:
                 self._unshard_groups("backward")  # a no-op when the previous group's backward prefetched it
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
@@ -481,7 +488,10 @@ class FSDPState:
     def post_backward_signal(self) -> None:
         self._signals_pending = max(0, self._signals_pending - 1)
         if self._signals_pending == 0:
-            self._post_backward("backward")
+            self.handle(ModuleEvent.GRADIENTS_READY)
+
+    def reduce(self) -> None:
+        self._post_backward("backward")
 
     def _post_backward(self, phase: str) -> None:
         assert self.group is not None
@@ -492,13 +502,24 @@ class FSDPState:
         self.root_context().start_reduce(results)
 
     def finish_backward(self) -> None:
-        """End of backward: reduce whatever gradients the post-backward signals missed."""
+        """End of backward (`RootContext.finish_backward`): every module, with groups or not."""
+        if self.groups:
+            self.handle(ModuleEvent.BACKWARD_END)
+        else:
+            self._signals_pending = 0
+
+    def reduce_leftovers(self) -> None:
+        """Reduce whatever gradients the post-backward signals missed."""
         self._signals_pending = 0
         self._members_done.clear()
         if self.group is not None:
             self._post_backward("end_of_backward")
 
     def reset(self) -> None:
+        if self.groups:
+            self.handle(ModuleEvent.RESET)
+
+    def reset_module(self) -> None:
         self._signals_pending = 0
         self._members_done.clear()
         for g in self.groups:
@@ -506,4 +527,3 @@ class FSDPState:
         if self.group is not None:
             self.group.reshard()
             self.group.discard_unsharded_grads()
-            self.group.phase = TrainingPhase.IDLE  # a reset may leave any phase: start over
