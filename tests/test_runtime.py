@@ -402,4 +402,4 @@ def test_iteration_phases_follow_the_table(ranks):
         ("in backward", "BACKWARD"),
         ("after next step", "IDLE"),
     ], r["seen"]
-    assert "root FSDPSequential: BACKWARD_END is not expected while in IDLE" in r["error"], r["error"]
+    assert "root Sequential: BACKWARD_END is not expected while in IDLE" in r["error"], r["error"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -17,7 +18,7 @@ from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
-from .registry import register_original
+from .registry import class_name, register_original
 from .debug import attach_active_traces
 from .state import FSDPState, fsdp_states
 
@@ -147,8 +148,11 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide reduced gradients by ``factor`` instead of the world size (1.0: plain sum)."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor expects a positive number, got {factor!r}.")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+            raise ValueError(
+                f"set_gradient_divide_factor expects a finite number > 0 (reduced gradients are divided by it; "
+                f"1.0 sums them), got {factor!r}: 0, a negative, inf or NaN would zero, flip or poison every gradient."
+            )
         for state in self._fsdp_states(recurse):
             if state.group is not None:
                 state.group.gradient_divide_factor = float(factor)
@@ -176,15 +180,15 @@ class FSDPModule:
     def set_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Consecutive sharded modules under it whose unsharded parameters add up
         to at most ``nbytes`` all-gather and reduce-scatter together, one collective per bucket
-        (default 4 MiB; ``0`` turns it off). Costs at most ``nbytes`` of extra unsharded parameters
+        (default 1 MiB; ``0`` turns it off). Costs at most ``nbytes`` of extra unsharded parameters
         and of waiting gradients; see docs/design.md, "Bucketing", for the rule and the numerics."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}.")
         state = self._get_fsdp_state()
         if state.ctx is not None and not state.is_root:
             raise ValueError(
-                f"set_bucket_bytes on module '{state.fqn}' ({_original_name(self)}), which is not a root: buckets span "
-                f"every module under one root. Fix: call it on the root module ({_original_name(state.ctx.root.modules[0])})."
+                f"set_bucket_bytes on module '{state.fqn}' ({class_name(self)}), which is not a root: buckets span "
+                f"every module under one root. Fix: call it on the root module ({class_name(state.ctx.root.modules[0])})."
             )
         state.settings.bucket_bytes = nbytes
         if state.ctx is not None:
@@ -258,15 +262,9 @@ class _ForwardMethod:
         return self.state.post_forward(self.module, args, self.method(*args, **kwargs))
 
 
-def _original_name(module: nn.Module) -> str:
-    """The class name the user wrote (not the ``FSDP``-prefixed class fully_shard made)."""
-    cls = type(module)
-    return cls.__mro__[2].__name__ if issubclass(cls, FSDPModule) else cls.__name__
-
-
 @functools.cache
 def _sharded_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls})
 
 
 def fully_shard(
@@ -348,6 +346,17 @@ class _OutsideCompile:
         return self.hook(*args, **kwargs)
 
 
+class _Hook:
+    """A plain hook object (torch marks some hooks with attributes, which a bound method refuses;
+    a deepcopy of the model rebinds it to the copy's state)."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hook(*args, **kwargs)
+
+
 @functools.cache
 def _outside_compile_type() -> type:
     # Made at the first fully_shard call, not at import: importing torch._dynamo costs ~1 s.
@@ -360,6 +369,11 @@ def _install(module: nn.Module, state: FSDPState) -> None:
     hook = _outside_compile_type()
     module.register_forward_pre_hook(hook(state.pre_forward), prepend=True, with_kwargs=True)
     module.register_forward_hook(hook(state.post_forward))
+    # A state dict holds sharded DTensors only, also while the parameters are unsharded.
+    module.register_state_dict_pre_hook(_Hook(state.show_sharded))
+    module.register_state_dict_post_hook(_Hook(state.show_unsharded))
+    module.register_load_state_dict_pre_hook(_Hook(state.show_sharded))
+    module.register_load_state_dict_post_hook(_Hook(state.show_unsharded))
     module.__class__ = _sharded_class(type(module))
 
 

@@ -39,7 +39,12 @@ from .lifecycle import ShardedState
 from .param import FSDPParam
 from .param_group import FSDPParamGroup, ReduceScatterResult, label
 
-DEFAULT_BUCKET_BYTES = 4 * 2**20
+# 1 MiB: below that a collective costs mostly its fixed latency on any backend (NCCL: tens of
+# microseconds, about what 1 MiB takes at NVLink/IB bandwidths; gloo: a fraction of a millisecond),
+# so sharing one pays; above it, bucketing saves little and costs memory. The extra memory a
+# bucket can hold is bounded by the budget, which leaves the peak of a model whose blocks are
+# bigger than 1 MiB unchanged (docs/benchmarks.md).
+DEFAULT_BUCKET_BYTES = 2**20
 
 
 @dataclass(eq=False)

@@ -420,12 +420,21 @@ class FSDPParam:
           dtype; offloaded shards go back to (pinned) host memory when ``adopt_device``
           (``module.to(device)`` moved them), else a shard in the wrong place is refused.
 
+        * ``requires_grad`` set on the sharded parameter (freezing or unfreezing after
+          ``fully_shard``, e.g. ``block.requires_grad_(False)``) carries over to the unsharded one,
+          so a frozen parameter gets no gradient and an unfrozen one trains.
+
         Cheap when nothing changed: one identity check per place and one for the local tensor.
         """
         changed = self._adopt_assigned()
+        frozen_or_thawed = self.sharded_param.requires_grad != self.requires_grad
+        if frozen_or_thawed:
+            self.requires_grad = self.sharded_param.requires_grad
+            if self.unsharded_param is not None:
+                self.unsharded_param.requires_grad_(self.requires_grad)
         local = self.local_shard
         if local is self._seen_local and not changed:
-            return False
+            return frozen_or_thawed
         self._rehome(local, adopt_device)
         # A meta shard stays unseen: every unshard looks again (and refuses it) until it is real.
         self._seen_local = None if local.is_meta else self.local_shard

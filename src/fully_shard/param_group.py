@@ -274,6 +274,16 @@ class FSDPParamGroup:
             else:
                 p.copy_out(src.view(p.param_dtype))
 
+    def show_form(self, unsharded: bool) -> None:
+        """While unsharded, point the modules at one form without changing state (state dicts)."""
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            shown, other = (p.sharded_param, p.unsharded_param) if unsharded else (p.unsharded_param, p.sharded_param)
+            for place in p.places:
+                if place.get() is shown:  # a place the load assigned something else keeps it
+                    place.set(other)
+
     def _mark_unsharded(self) -> None:
         for p in self.params:
             p.to_unsharded()

@@ -40,3 +40,10 @@ def manager_of(param: nn.Parameter) -> Optional["FSDPParam"]:
         return managed
     ref = _ORIGINALS.get(param)
     return ref() if ref is not None else None
+
+
+def class_name(module: object) -> str:
+    """The class name the user wrote for ``module`` (not the ``FSDP``-prefixed class ``fully_shard``
+    made for it), for error messages."""
+    cls = type(module)
+    return getattr(cls, "_fsdp_original_class", cls).__name__

@@ -38,6 +38,7 @@ from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
+from .registry import class_name
 from .lifecycle import ITERATION, MODULE, Event, IterationPhase, ModuleEvent, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
 
@@ -59,7 +60,7 @@ class RootContext:
         """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
         if self.pending_reduce is not None or any(b.holds_grads for b in self.buckets):
             raise RuntimeError(
-                f"fully_shard: set_bucket_bytes on {type(self.root.modules[0]).__name__} while gradients are being "
+                f"fully_shard: set_bucket_bytes on {class_name(self.root.modules[0])} while gradients are being "
                 "reduced; call it between steps (after backward)."
             )
         owner = {id(s.group): s for s in self.states if s.group is not None}
@@ -82,7 +83,7 @@ class RootContext:
     # -- the iteration's lifecycle: hooks report events, the table (lifecycle.ITERATION) decides --
 
     def handle(self, event: Event) -> None:
-        step = step_for(ITERATION, self.phase, event, f"root {type(self.root.modules[0]).__name__}")
+        step = step_for(ITERATION, self.phase, event, f"root {class_name(self.root.modules[0])}")
         self.phase = step.to
         if step.action:
             getattr(self, step.action)()
@@ -97,7 +98,7 @@ class RootContext:
 
     def recover_and_start(self) -> None:
         warnings.warn(
-            f"fully_shard: the previous backward through {type(self.root.modules[0]).__name__} did not finish "
+            f"fully_shard: the previous backward through {class_name(self.root.modules[0])} did not finish "
             "(it raised); resetting its state and discarding its unreduced gradients. Gradients it "
             "had already reduced are still in .grad: call optimizer.zero_grad() before the next step "
             "(and call reset_iter_state() yourself after catching such an exception to silence this).",
@@ -273,6 +274,20 @@ class FSDPState:
         settings = copy.deepcopy(dataclasses.replace(self.settings, post_optim_event=None), memo)
         return copy_fields(self, memo, ctx=None, is_root=False, settings=settings, _signals_pending=0, _members_done=set(), phase=TrainingPhase.IDLE)
 
+    # -- state dicts ------------------------------------------------------------------------------
+
+    def show_sharded(self, module: nn.Module, *unused: Any) -> None:
+        """Before (load_)state_dict: a module whose parameters are unsharded (after ``unshard()``,
+        inside forward) shows its sharded DTensors, the one form a state dict holds and loads into;
+        a load then moves the shards' versions, so the unsharded copy is gathered again before use."""
+        for g in self.groups:
+            g.show_form(unsharded=False)
+
+    def show_unsharded(self, module: nn.Module, *unused: Any) -> None:
+        """After (load_)state_dict: back to the form the group is in."""
+        for g in self.groups:
+            g.show_form(unsharded=True)
+
     # -- lazy init -------------------------------------------------------------------------------
 
     def lazy_init(self) -> None:
@@ -368,6 +383,10 @@ class FSDPState:
 
     def unshard_for_forward(self, args: tuple, kwargs: dict, after: Optional[torch.Event]) -> tuple[tuple, dict]:
         group = self.group
+        for method, targets in (("set_modules_to_forward_prefetch", self.settings.forward_prefetch),
+                                ("set_modules_to_backward_prefetch", self.settings.backward_prefetch)):
+            for target in targets or ():
+                self._check_prefetch_target(target, method)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             for g in self.groups:
                 g.forward_users.add(id(self))
@@ -378,6 +397,14 @@ class FSDPState:
             if torch.is_grad_enabled() and group is not None and group.trainable:
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
+
+    def _check_prefetch_target(self, target: "FSDPState", method: str) -> None:
+        if target.ctx is not self.ctx:
+            raise ValueError(
+                f"module '{self.fqn}' ({class_name(self.modules[0])}): {method} names a "
+                f"{class_name(target.modules[0])} that is not under the same root module, so its parameters "
+                "are gathered by another model's schedule (or never). Fix: pass sharded modules of this model."
+            )
 
     def unshard_for_recompute(self) -> None:
         """Forward inside backward: activation checkpointing recomputes this module.

@@ -34,8 +34,11 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
     """All-gather every group under ``model`` for the duration of the block.
 
     ``writeback=True`` copies the (possibly modified) full parameters back into the shards on
-    exit; without it, changes are dropped. Use it under ``torch.no_grad()``: gradients of the
-    full tensors inside the block are not reduced.
+    exit; without it, changes are dropped. If the block raises, nothing is written back (the
+    shards keep the values they had when it began) and the exception propagates. Blocks nest:
+    a group that was already unsharded when a block began (an outer block, an explicit
+    ``unshard()``) stays unsharded when it ends; the outermost block reshards. Use it under
+    ``torch.no_grad()``: gradients of the full tensors inside the block are not reduced.
     """
     if not isinstance(writeback, bool):
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
@@ -43,19 +46,23 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
     for state in states:
         attach_active_traces(state.root_context().comm.tracers)
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
+    kept = {id(g) for g in groups if g.is_unsharded and not g.is_stale()}  # unsharded before: stay so
     for group in groups:
         group.unshard("unsharded_context")
     for group in groups:
         group.wait_for_unshard()
+    completed = False
     try:
         yield model
+        completed = True
     finally:
         with torch.no_grad():
             for group in groups:
-                if writeback:
+                if writeback and completed:
                     for p in group.params:
                         _write_back(p)
-                group.reshard()
+                if id(group) not in kept:
+                    group.reshard()
 
 
 def _write_back(p: FSDPParam) -> None:
