@@ -124,3 +124,32 @@ def test_bad_shard_placement_fn_refused_before_anything_changes():
         assert _untouched(model)
         fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.dim() == 2 else None)
         assert model[0].weight.placements == (Shard(1),) and model[0].bias.placements == (Shard(0),)
+
+
+def test_torchscript_modules_refused_before_anything_changes():
+    with fake_world(2) as mesh:
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        with pytest.raises(ValueError, match="got a TorchScript module .*Fix: apply fully_shard to the eager module"):
+            fully_shard(scripted, mesh=mesh)
+        inside = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4)))
+        with pytest.raises(ValueError, match="parameters of module '1': it is a TorchScript module.*ignored_params"):
+            fully_shard(inside, mesh=mesh)
+        assert _untouched(inside)
+        in_list = [nn.Linear(4, 4), torch.jit.script(nn.Linear(4, 4))]  # the first one must stay untouched too
+        with pytest.raises(ValueError, match="got a TorchScript module"):
+            fully_shard(in_list, mesh=mesh)
+        assert all(_untouched(m) for m in in_list)
+        # The documented way out: leave the scripted module's parameters alone.
+        fully_shard(inside, mesh=mesh, ignored_params=set(inside[1].parameters()))
+        assert isinstance(inside[0].weight, DTensor) and not isinstance(inside[1].weight, DTensor)
+
+
+def test_uneven_complex_parameter_warns_about_adam():
+    with fake_world(2) as mesh:
+        model = nn.Module()
+        model.even = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        model.odd = nn.Parameter(torch.randn(5, 3, dtype=torch.complex64))
+        model.forward = lambda x: x  # type: ignore[method-assign]
+        with pytest.warns(UserWarning, match=r"'odd' is complex with dim 0 of size 5, which does not divide evenly over 2"):
+            fully_shard(model, mesh=mesh)
+        assert isinstance(model.odd, DTensor)

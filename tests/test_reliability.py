@@ -161,3 +161,57 @@ def test_state_dict_and_load_while_unsharded_use_the_shards(ranks, world_size):
     for r in ranks(world_size).run(_state_dict_while_unsharded):
         assert r["full_size"] and r["all_dtensors"] and r["same"] and r["still_unsharded"], r
         assert r["loss_diff"] <= TOL64, r
+
+
+class _OddParams(torch.nn.Module):
+    """A size-0 trainable parameter and a complex one, both on the loss's path. The complex one's
+    dim 0 divides every world size tested: with uneven shards, DTensor's ``view_as_real`` (which
+    Adam/AdamW use for complex parameters) returns a copy, so those optimizers never update it
+    (a PyTorch limitation, shared by its fully_shard; fully_shard warns about it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(7, 4)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+        self.phase = torch.nn.Parameter(torch.randn(4, dtype=torch.complex128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) + self.empty.sum(0)
+        return (h.to(torch.complex128) * self.phase).abs()
+
+
+def _odd_params() -> dict:
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_OddParams(), torch.nn.Linear(4, 3)).double()
+    ref = copy.deepcopy(model)
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    loss_diff = 0.0
+    for step in range(4):
+        x, y = mlp_batch(step)
+        loss = _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])
+        loss.backward()
+        empty_grad = tuple(model[0].empty.grad.shape)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = _mlp_loss(ref, x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diff = max(loss_diff, abs(global_mean(loss) - ref_loss.item()))
+    diffs = [(a.detach().full_tensor() - b.detach()).abs().max().item() if b.numel() else 0.0
+             for a, b in zip(model.parameters(), ref.parameters())]
+    return {"loss_diff": loss_diff, "param_diff": max(diffs), "empty_grad": empty_grad,
+            "phase_dtype": str(model[0].phase.dtype)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_size_zero_and_complex_parameters_train_like_the_reference(ranks, world_size):
+    for r in ranks(world_size).run(_odd_params):
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+        assert r["empty_grad"] == (0, 4) and r["phase_dtype"] == "torch.complex128", r

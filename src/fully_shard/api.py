@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .lifecycle import Event
-from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for
+from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for, warn_uneven_complex
 from .mesh import check_reshard_after_forward, mesh_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -310,6 +310,7 @@ def fully_shard(
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found.own, info)
     shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
+    warn_uneven_complex(found.own, shard_dims, info)
     # Every check has passed; from here on nothing raises on user input.
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     params = [FSDPParam(param, places, info, mp_policy, dim, offload) for (param, places), dim in zip(found.own, shard_dims)]
@@ -384,6 +385,12 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
+        if isinstance(m, torch.jit.ScriptModule):
+            raise ValueError(
+                f"fully_shard got a TorchScript module ({type(m).__name__} from torch.jit.script / trace): it keeps "
+                "its parameters and forward in C++ where they cannot be swapped for shards or hooked. Fix: apply "
+                "fully_shard to the eager module, and use torch.compile for speed."
+            )
         if is_sharded_module(m):
             original = type(m).__bases__[-1].__name__
             raise ValueError(

@@ -110,6 +110,8 @@ def plan_reduction(
 def reduce_scatter(
     output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: Any
 ) -> Optional[dist.Work]:
+    if rs_input.is_complex():  # summed as (real, imag) pairs: each rank's chunk stays whole
+        output, rs_input = torch.view_as_real(output).view(-1), torch.view_as_real(rs_input).view(-1)
     return _reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)
 
 

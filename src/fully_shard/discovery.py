@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+import warnings
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -60,6 +62,8 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
     walked = [(m, fqn) for top, name in zip(modules, module_names) for m, fqn in _walk(top, name, seen)]
     walked_ids = {id(m) for m, _ in walked}
     for module, module_fqn in walked:
+        if isinstance(module, torch.jit.ScriptModule) and any(id(p) not in ignored for p in module.parameters()):
+            _refuse_script_module(_label(module, module_fqn))
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored:
                 continue
@@ -73,6 +77,32 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
                 continue
             own.setdefault(id(param), (param, []))[1].append(place)
     return Found(list(own.values()), list(borrowed.values()))
+
+
+def warn_uneven_complex(own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], info: MeshInfo) -> None:
+    """A trainable complex parameter whose shard dim does not divide evenly over the ranks trains
+    with SGD, but Adam / AdamW update complex parameters through ``view_as_real``, which on an
+    unevenly sharded DTensor returns a copy: they would silently never update it."""
+    for (param, places), dim in zip(own, shard_dims):
+        if param.is_complex() and param.requires_grad and param.dim() and param.shape[dim] % info.world_size:
+            warnings.warn(
+                f"parameter '{places[0].fqn}' is complex with dim {dim} of size {param.shape[dim]}, which does not "
+                f"divide evenly over {info.world_size} ranks. torch.optim's Adam/AdamW update complex parameters "
+                "through view_as_real, which on an unevenly sharded DTensor returns a copy, so they would never "
+                "update it (SGD is fine). Fix: pad that dim to a multiple of the shard world size, or shard "
+                "another dim with shard_placement_fn.",
+                stacklevel=3,
+            )
+
+
+def _refuse_script_module(where: str) -> None:
+    raise ValueError(
+        f"fully_shard cannot manage the parameters of {where}: it is a TorchScript module (torch.jit.script / "
+        "trace), which keeps its parameters and forward in C++ where they cannot be swapped for shards or hooked. "
+        "Fix: apply fully_shard to the eager module (and use torch.compile for speed), or leave this module's "
+        "parameters out with ignored_params=set(module.parameters()) (they then stay replicated and are not "
+        "synchronised)."
+    )
 
 
 def _refuse_parent_first(fqn: str, where: str) -> None:
@@ -120,8 +150,12 @@ def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshI
                 f"Fix: move the module to {info.device} (or to CPU) before fully_shard, or pass a mesh "
                 f"on {param.device.type}."
             )
-        if not param.is_floating_point() and param.requires_grad:
-            raise ValueError(f"parameter '{fqn}' has dtype {param.dtype} and requires grad; that cannot be trained.")
+        if not (param.is_floating_point() or param.is_complex()) and param.requires_grad:
+            raise ValueError(
+                f"parameter '{fqn}' has dtype {param.dtype} and requires grad, but only floating-point and complex "
+                "tensors have gradients. Fix: set requires_grad=False on it (it is then gathered, never reduced), or "
+                "make it a buffer."
+            )
 
 
 def _device_usable(device: torch.device, mesh_device: torch.device) -> bool:

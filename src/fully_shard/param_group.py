@@ -342,7 +342,9 @@ class FSDPParamGroup:
                 grad = p.take_unsharded_grad()
                 if grad is None and self.requires_all_reduce:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
-                if grad is not None:
+                if grad is not None and p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
+                    p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.reduce_dtype))
+                elif grad is not None:
                     params.append(p)
                     grads.append(grad)
             if reshard:
