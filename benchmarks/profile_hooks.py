@@ -1,11 +1,13 @@
 """torchrun --nproc-per-node 2 benchmarks/profile_hooks.py [--model deep-narrow] [--unbucketed]
 
-Host CPU time spent inside the FSDP hooks, per sharded module, ours against PyTorch's
+Host time spent inside the FSDP hooks, per sharded module, ours against PyTorch's
 ``fully_shard``: both label their hook work with ``record_function`` regions named ``FSDP::...``
 (ours ``FSDP::pre_forward layers.0``, PyTorch's ``FSDP::pre_forward (layers.0)``). Under
-``torch.profiler`` (CPU activity), the time of every *outermost* ``FSDP::`` region (nested ones are
-inside it) is summed per module and per kind of hook, over ``--steps`` profiled steps after warm-up,
-and reported per step. What runs outside such regions (autograd, the optimizer, the model's own
+``torch.profiler`` (CPU activity), the duration of every *outermost* ``FSDP::`` region (nested ones
+are inside it) is summed per module and per kind of hook, over ``--steps`` profiled steps after
+warm-up, and reported per step. A region's duration is the Python thread's wall time inside it:
+our Python and kernels, and waits for collectives (PyTorch's FSDP2 waits for its CPU collectives
+inside its hooks; ours mostly on gloo's threads, outside them). What runs outside such regions (autograd, the optimizer, the model's own
 ops) is not counted here; the host CPU column of ``bench_step.py`` has the whole step.
 
 Same models, options and seeds as ``bench_step.py``.
@@ -85,8 +87,9 @@ def main() -> None:
         total_ours, total_theirs = sum(ours[0].values()), sum(theirs[0].values())
         modules = sorted(set(ours[0]) | set(theirs[0]), key=lambda m: (not m.startswith("<"), len(m), m))
         lines = [
-            f"world {dist.get_world_size()}, {args.model}, rank 0, {args.steps} profiled steps; microseconds of host "
-            f"CPU per step inside outermost FSDP:: regions; ours = {ours_name}; torch {torch.__version__}",
+            f"world {dist.get_world_size()}, {args.model}, rank 0, {args.steps} profiled steps; microseconds per step "
+            f"the Python thread spends inside outermost FSDP:: regions (wall time: waits for collectives "
+            f"included); ours = {ours_name}; torch {torch.__version__}",
             "",
             f"| | ours | torch_fsdp2 | ours / torch |",
             "|---|---|---|---|",

@@ -215,3 +215,202 @@ def test_size_zero_and_complex_parameters_train_like_the_reference(ranks, world_
     for r in ranks(world_size).run(_odd_params):
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
         assert r["empty_grad"] == (0, 4) and r["phase_dtype"] == "torch.complex128", r
+
+
+def _optimizer_traps() -> dict:
+    import warnings
+
+    from fully_shard import fully_shard
+
+    x, y = mlp_batch(0)
+    rank, w = world()
+    out = {}
+    # An optimizer built before fully_shard.
+    model = make_mlp()
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shard_mlp(model, "nested", True, fully_shard)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    try:
+        early.step()
+        out["early"] = ""
+    except RuntimeError as e:
+        out["early"] = str(e)
+    # Blocks sharded, the root not: its own parameters (model[3]) are never synchronised.
+    model = make_mlp()
+    for block in model[:3]:
+        fully_shard(block)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # warned once per optimizer
+            _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            opt.step()
+    out["root_missing"] = [str(c.message) for c in caught if "plain parameter" in str(c.message)]
+    # The same, on purpose: ignored_params says so, and nothing is said.
+    model = make_mlp()
+    fully_shard(model[0])
+    fully_shard(model, ignored_params=set(model[1].parameters()))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        opt.step()
+    out["ignored"] = [str(c.message) for c in caught if "plain parameter" in str(c.message)]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_optimizer_built_before_fully_shard_or_root_left_unsharded_is_reported(ranks, world_size):
+    for r in ranks(world_size).run(_optimizer_traps):
+        assert "AdamW holds parameter '0.0.weight' as it was before fully_shard" in r["early"], r["early"]
+        assert "Fix: build the optimizer after fully_shard" in r["early"]
+        if world_size == 1:  # one rank: nothing can drift
+            assert r["root_missing"] == [], r
+        else:
+            assert len(r["root_missing"]) == 1 and "steps 2 plain parameter(s) (shapes (3, 3), (3,))" in r["root_missing"][0], r
+        assert r["ignored"] == [], r
+
+
+def _zero_grad_after_no_sync() -> dict:
+    """A no-sync backward, then model.zero_grad(): the next (syncing) backward reduces only its own
+    gradients, as in the reference."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = mlp_batch(0)
+    model.set_requires_gradient_sync(False)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()  # abandoned accumulation
+    model.zero_grad()
+    model.set_requires_gradient_sync(True)
+    x, y = mlp_batch(1)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    opt.step()
+    _mlp_loss(ref, x, y).backward()
+    ref_opt.step()
+    return {"param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_model_zero_grad_drops_an_unsynced_accumulation(ranks, world_size):
+    for r in ranks(world_size).run(_zero_grad_after_no_sync):
+        assert r["param_diff"] <= TOL64, r
+
+
+def _post_accumulate_hooks() -> dict:
+    """register_post_accumulate_grad_hook on the sharded parameters fires once per reduction, with
+    .grad already the reduced gradient; an optimizer-in-backward recipe (one SGD per parameter,
+    stepped from its hook) trains like the reference."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    calls = {name: 0 for name, _ in model.named_parameters()}
+    opts = {}
+    for name, p in model.named_parameters():
+        opts[p] = torch.optim.SGD([p], lr=0.1)
+
+        def hook(param, name=name):
+            calls[name] += 1
+            opts[param].step()
+            opts[param].zero_grad()
+
+        p.register_post_accumulate_grad_hook(hook)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = mlp_batch(step)
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        _mlp_loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"calls": sorted(set(calls.values())), "param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_post_accumulate_grad_hooks_fire_on_the_reduced_gradient(ranks, world_size):
+    for r in ranks(world_size).run(_post_accumulate_hooks):
+        assert r["calls"] == [3] and r["param_diff"] <= TOL64, r
+
+
+def _inference_mode_first() -> dict:
+    """The very first forward under torch.inference_mode (an evaluation before training), then
+    training: equals the reference."""
+    from _parity import _train_pair
+
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    x, _ = mlp_batch(0)
+    with torch.inference_mode():
+        evaluated = model(x.chunk(w)[rank])
+    with torch.no_grad():
+        eval_diff = (evaluated - ref(x).chunk(w)[rank]).abs().max().item()
+    return {"eval_diff": eval_diff, **_train_pair(model, ref, mlp_batch, _mlp_loss, 3)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_inference_mode_forward_before_training(ranks, world_size):
+    for r in ranks(world_size).run(_inference_mode_first):
+        assert r["eval_diff"] <= TOL64 and r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+def _finite_check(mode: str, bad_rank: int) -> dict:
+    """One rank's batch makes block 1's gradient NaN (an inf input times zero weights would be too
+    clever: a NaN in the input row is plain)."""
+    from fully_shard import NonFiniteGradients, fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    model.set_grad_finite_check(mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict = {"errors": [], "reports": []}
+    for step in range(3):
+        x, y = mlp_batch(step)
+        x, y = x.chunk(w)[rank].clone(), y.chunk(w)[rank]
+        if step == 1 and rank == bad_rank:
+            x[0, 0] = float("nan")
+        try:
+            _mlp_loss(model, x, y).backward()
+        except NonFiniteGradients as e:
+            out["errors"].append((step, str(e), [(r.param, r.ranks) for r in e.report]))
+            opt.zero_grad()
+            continue
+        if mode == "report":
+            report = model.nonfinite_grads()
+            out["reports"].append((step, [(r.param, r.ranks) for r in report]))
+            if report:
+                opt.zero_grad()
+                continue
+        opt.step()
+        opt.zero_grad()
+    out["finite_after"] = all(bool(torch.isfinite(p.detach().to_local()).all()) for p in model.parameters())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", ["raise", "report"])
+def test_finite_check_names_parameters_and_ranks(ranks, world_size, mode):
+    bad = world_size - 1
+    every = [f"0.0.{n}" for n in ("weight", "bias")] + [f"0.2.{n}" for n in ("weight", "bias")]
+    for r in ranks(world_size).run(_finite_check, mode, bad):
+        assert r["finite_after"], r
+        if mode == "raise":
+            assert len(r["errors"]) == 1 and r["errors"][0][0] == 1, r
+            step, message, report = r["errors"][0]
+            assert "non-finite gradients (NaN/Inf) before the reduction: '3.weight' on rank(s) [%d]" % bad in message
+            names = [name for name, _ in report]
+        else:
+            assert r["errors"] == [] and [s for s, rep in r["reports"] if rep] == [1], r
+            report = dict(r["reports"])[1]
+            names = [name for name, _ in report]
+        assert set(every) <= set(names) and all(ranks_ == (bad,) for _, ranks_ in report), report

@@ -3,6 +3,7 @@
 from . import debug
 from .clip import clip_grad_norm_
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .finite import NonFinite, NonFiniteGradients
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
 
@@ -15,6 +16,8 @@ __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "NonFinite",
+    "NonFiniteGradients",
     "OffloadPolicy",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -19,6 +19,8 @@ from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 from .registry import class_name, register_original
+from .traps import install_optimizer_check, register_ignored
+from .finite import NonFinite
 from .debug import attach_active_traces
 from .state import FSDPState, fsdp_states
 
@@ -184,15 +186,47 @@ class FSDPModule:
         and of waiting gradients; see docs/design.md, "Bucketing", for the rule and the numerics."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}.")
-        state = self._get_fsdp_state()
-        if state.ctx is not None and not state.is_root:
-            raise ValueError(
-                f"set_bucket_bytes on module '{state.fqn}' ({class_name(self)}), which is not a root: buckets span "
-                f"every module under one root. Fix: call it on the root module ({class_name(state.ctx.root.modules[0])})."
-            )
+        state = self._require_root("set_bucket_bytes")
         state.settings.bucket_bytes = nbytes
         if state.ctx is not None:
             state.ctx.plan_buckets()
+
+    def set_grad_finite_check(self, mode: Optional[str]) -> None:
+        """Call on the root. ``"raise"``: after the last backward before the step, if any rank's
+        gradient of any parameter had a NaN/Inf before the reduction, ``backward()`` raises
+        `NonFiniteGradients` on every rank, naming the parameters and ranks. ``"report"``: no
+        error; ``nonfinite_grads()`` returns that list (the same on every rank) so all ranks skip
+        the step together. ``None``: off (default; the environment variable
+        ``FULLY_SHARD_CHECK_FINITE=raise|report`` turns it on without code changes). Costs one
+        pass over each gradient and one all-gather of a byte per parameter per step."""
+        if mode is not None and mode not in ("raise", "report"):
+            raise ValueError(f"set_grad_finite_check expects 'raise', 'report' or None (off), got {mode!r}.")
+        state = self._require_root("set_grad_finite_check")
+        state.settings.grad_finite_check = "off" if mode is None else mode
+        if state.ctx is not None:
+            state.ctx.configure_finite_check()
+
+    def nonfinite_grads(self) -> list[NonFinite]:
+        """With the finite check on (``set_grad_finite_check``): the parameters whose gradients had
+        a NaN/Inf in the last step's backward, each with the ranks where it did; empty when all
+        were finite. The same list on every rank. Call on the root, after ``backward()``."""
+        state = self._require_root("nonfinite_grads")
+        finite = state.ctx.finite if state.ctx is not None else None
+        if finite is None:
+            raise RuntimeError(
+                "nonfinite_grads(): the finite check is off, so nothing was checked. Fix: call "
+                "model.set_grad_finite_check('report') on the root before training (or set FULLY_SHARD_CHECK_FINITE=report)."
+            )
+        return list(finite.report)
+
+    def _require_root(self, method: str) -> FSDPState:
+        state = self._get_fsdp_state()
+        if state.ctx is not None and not state.is_root:
+            raise ValueError(
+                f"{method} on module '{state.fqn}' ({class_name(self)}), which is not a root: it applies to every "
+                f"module under one root. Fix: call it on the root module ({class_name(state.ctx.root.modules[0])})."
+            )
+        return state
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
@@ -206,6 +240,17 @@ class FSDPModule:
         if not isinstance(event, torch.Event):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}.")
         self._get_fsdp_state().settings.post_optim_event = event
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, plus what it cannot see: gradients accumulated on the unsharded
+        parameters by backwards without gradient sync (``set_requires_gradient_sync(False)``) and
+        HSDP partial sums deferred by ``set_requires_all_reduce(False)``, under this module. Without
+        this they would join the next syncing backward's reduction. (``optimizer.zero_grad()``
+        only sees the sharded parameters: call ``model.zero_grad()`` to drop an accumulation.)"""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        for state in self._fsdp_states(recurse=True):
+            if state.group is not None:
+                state.group.discard_unsharded_grads()
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard every module under this root and
@@ -312,6 +357,8 @@ def fully_shard(
     shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
     warn_uneven_complex(found.own, shard_dims, info)
     # Every check has passed; from here on nothing raises on user input.
+    install_optimizer_check()
+    register_ignored(ignored_params)
     offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
     params = [FSDPParam(param, places, info, mp_policy, dim, offload) for (param, places), dim in zip(found.own, shard_dims)]
     for (original, _), managed in zip(found.own, params):

@@ -385,6 +385,13 @@ class FSDPParam:
             )
         else:
             existing._local_tensor.add_(grad)  # type: ignore[attr-defined]
+        # Autograd accumulates into the unsharded parameter, so hooks registered on the sharded
+        # one (register_post_accumulate_grad_hook) would never fire: fire them here, once per
+        # reduction into .grad (not for backwards without gradient sync, which reduce nothing).
+        hooks = self.sharded_param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+        if hooks:
+            for hook in list(hooks.values()):
+                hook(self.sharded_param)
 
     def add_partial_reduce(self, reduced: torch.Tensor) -> None:
         """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -115,6 +115,8 @@ class FSDPParamGroup:
         self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
         self.sharded_state = ShardedState.SHARDED
         self._all_gather: Optional[AllGather] = None
+        # The root's finite check (finite.py), when on: sees each gradient before it is reduced.
+        self.grad_observer: Optional[Callable[[FSDPParam, torch.Tensor], None]] = None
         # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
         self.bucket: Optional["Bucket"] = None
         # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
@@ -142,7 +144,7 @@ class FSDPParamGroup:
             p.precopy(memo)
         # comm: the copy's root gives it streams at lazy init.
         return copy_fields(
-            self, memo, comm=None, bucket=None, forward_users=set(), _post_forward_shard=None
+            self, memo, comm=None, bucket=None, grad_observer=None, forward_users=set(), _post_forward_shard=None
         )
 
     def refresh(self) -> None:
@@ -221,7 +223,10 @@ class FSDPParamGroup:
             dtype = self.all_gather_dtype
             inputs = None  # read on the all-gather stream: offloaded shards are copied to the device there
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
-        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), comm.on(comm.all_gather_stream, after):
+        # inference_mode(False): a first forward under torch.inference_mode must not make the
+        # buffers (kept and reused for training) inference tensors.
+        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), torch.inference_mode(False), \
+                comm.on(comm.all_gather_stream, after):
             if inputs is None:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
@@ -253,7 +258,7 @@ class FSDPParamGroup:
         gather = self._all_gather
         if gather is None:
             return
-        with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad():
+        with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad(), torch.inference_mode(False):
             gather.finish()
 
     def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[torch.Tensor]]) -> None:
@@ -340,6 +345,8 @@ class FSDPParamGroup:
             params, grads = [], []
             for p in self.trainable if sync else ():
                 grad = p.take_unsharded_grad()
+                if grad is not None and self.grad_observer is not None:
+                    self.grad_observer(p, grad)
                 if grad is None and self.requires_all_reduce:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
                 if grad is not None and p.shard_numel == 0:  # a size-0 parameter: nothing to reduce

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from .comm import CommContext
+from .finite import FiniteCheck, NonFiniteGradients, mode_from_env
 from .copying import copy_fields, refuse_busy
 from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
@@ -55,6 +56,17 @@ class RootContext:
         self.pending_reduce: Optional[ReduceScatterResult] = None
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
+        self.finite: Optional[FiniteCheck] = None
+
+    def configure_finite_check(self) -> None:
+        """Turn the finite check (finite.py) on or off for every group under this root."""
+        setting = self.root.settings.grad_finite_check
+        mode = mode_from_env() if setting == "env" else None if setting == "off" else setting
+        params = [p for s in self.states if s.group is not None for p in s.group.params]
+        self.finite = FiniteCheck(mode, params, self.root.info.device) if mode is not None else None
+        for s in self.states:
+            if s.group is not None:
+                s.group.grad_observer = self.finite.observe if self.finite is not None else None
 
     def plan_buckets(self) -> None:
         """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
@@ -85,8 +97,13 @@ class RootContext:
     def handle(self, event: Event) -> None:
         step = step_for(ITERATION, self.phase, event, f"root {class_name(self.root.modules[0])}")
         self.phase = step.to
-        if step.action:
-            getattr(self, step.action)()
+        try:
+            if step.action:
+                getattr(self, step.action)()
+        except NonFiniteGradients:  # a verdict, raised once the step's work is done
+            if step.then is not None:
+                self.phase = step.then
+            raise
         if step.then is not None:
             self.phase = step.then
 
@@ -153,6 +170,8 @@ class RootContext:
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     if state.group is not None:
                         state.group.wait_for_offloaded_grads()
+                if self.finite is not None and self.finite.conclude() and self.finite.mode == "raise":
+                    raise NonFiniteGradients(self.finite.report)
 
     def reset_iteration(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
@@ -217,6 +236,7 @@ class StateSettings:
     backward_prefetch: Optional[list["FSDPState"]] = None  # None: implicit (reverse forward order)
     post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # read from the root's settings (bucket.py)
+    grad_finite_check: str = "env"  # read from the root's settings: "env" (FULLY_SHARD_CHECK_FINITE), "off", or a mode
 
 
 def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
@@ -306,6 +326,7 @@ class FSDPState:
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
         ctx.plan_buckets()
+        ctx.configure_finite_check()
 
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx

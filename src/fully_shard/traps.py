@@ -1,0 +1,71 @@
+"""Silent traps in the code around ``fully_shard``, caught where they first show.
+
+An optimizer built before ``fully_shard`` holds the parameters as they were: ``fully_shard``
+replaced them in the model with sharded DTensors, so that optimizer would step tensors nothing
+uses, and the model would never train. Next to sharded parameters, an optimizer that also holds
+plain parameters no ``fully_shard`` call manages (blocks sharded but not the root) steps them with
+each rank's own gradients: they are never synchronised and the ranks drift apart.
+
+Both show in the optimizer's parameter lists, so one global optimizer step pre-hook (installed at
+the first ``fully_shard`` call) looks at each optimizer once, and again only when its parameter
+count changes (``add_param_group``): the first raises, the second warns once per optimizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .registry import manager_of
+
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user asked fully_shard to leave alone
+_installed = False
+
+
+def install_optimizer_check() -> None:
+    global _installed
+    if not _installed:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _installed = True
+
+
+def register_ignored(params: Any) -> None:
+    for p in params or ():
+        _ignored[p] = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _checked.get(optimizer) == len(params):
+        return
+    managed, plain = [], []
+    for p in params:
+        owner = manager_of(p)
+        if owner is not None and owner.sharded_param is not p:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds parameter '{owner.path}' as it was before fully_shard, which "
+                "replaced it in the model with a sharded DTensor: this optimizer would never train it. Fix: build "
+                "the optimizer after fully_shard (e.g. optimizer = torch.optim.AdamW(model.parameters()) once every "
+                "fully_shard call has run)."
+            )
+        if owner is not None:
+            managed.append(owner)
+        elif not isinstance(p, DTensor) and p not in _ignored:
+            plain.append(p)
+    _checked[optimizer] = len(params)
+    if plain and any(m.info.data_parallel_size > 1 for m in managed):
+        shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
+        warnings.warn(
+            f"{type(optimizer).__name__} steps {len(plain)} plain parameter(s) (shapes {shapes}) next to parameters "
+            "fully_shard manages. No fully_shard call manages them, so their gradients are never synchronised: each "
+            "rank updates them with its own gradients and the ranks drift apart. Fix: apply fully_shard to the root "
+            "module too (after its blocks), or pass them in ignored_params if that is what you want.",
+            stacklevel=3,
+        )
