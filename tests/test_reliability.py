@@ -414,3 +414,66 @@ def test_finite_check_names_parameters_and_ranks(ranks, world_size, mode):
             report = dict(r["reports"])[1]
             names = [name for name, _ in report]
         assert set(every) <= set(names) and all(ranks_ == (bad,) for _, ranks_ in report), report
+
+
+class _Routed(torch.nn.Module):
+    """Three experts in one fully_shard group; each sample goes to one expert, and an expert
+    with no sample on this rank does not run (MoE routing). Expert 2 gets no sample anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(7, 7) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().flatten()
+            if len(idx):
+                y = y.index_add(0, idx, expert(x[idx]))
+        return y
+
+
+class _MoE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 7)
+        self.moe = _Routed()
+        self.out = torch.nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.moe(self.inp(x), route)))
+
+
+def _rank_divergent_routing() -> dict:
+    """Samples 0-3 of the global batch go to expert 0, 4-7 to expert 1: at world 2 and 4 each rank
+    uses one expert only, and ranks disagree on which. Equals the single-process model, and expert
+    2 (no sample anywhere) keeps grad None and its weights, as there."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = _MoE().double()
+    ref = copy.deepcopy(model)
+    fully_shard(model.moe)
+    fully_shard(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref)]
+    route = torch.arange(8) // 4
+    loss_diff, unused_grad = 0.0, []
+    for step in range(4):
+        x, y = mlp_batch(step)
+        loss = ((model(x.chunk(w)[rank], route.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        loss.backward()
+        unused_grad.append(model.moe.experts[2].weight.grad is None)
+        ref_loss = ((ref(x, route) - y) ** 2).mean()
+        ref_loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        loss_diff = max(loss_diff, abs(global_mean(loss) - ref_loss.item()))
+    return {"loss_diff": loss_diff, "param_diff": max_param_diff(model, ref), "unused_grad_none": all(unused_grad)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_rank_divergent_routing_in_one_group_equals_the_reference(ranks, world_size):
+    for r in ranks(world_size).run(_rank_divergent_routing):
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64 and r["unused_grad_none"], r

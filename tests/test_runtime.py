@@ -99,7 +99,8 @@ def _frozen_traffic() -> dict:
     fully_shard(model[0], mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
     group = model[0].__dict__["_fsdp_state"].group
-    trainable_numel = sum(p.shard_numel for p in group.trainable) * w
+    # The trainable gradients, then one used-count per trainable parameter in every rank's row.
+    trainable_numel = (sum(p.shard_numel for p in group.trainable) + len(group.trainable)) * w
     with CollectiveLog() as log:
         x, y = mlp_batch(0)
         _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()

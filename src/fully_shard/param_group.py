@@ -81,6 +81,19 @@ class ReduceScatterPart:
     name: str = ""  # the group(s) it reduces, as traces name them
     # HSDP: the deferred partial sums of ``params``, taken when it was issued, added to its output.
     partials: list[Optional[torch.Tensor]] = field(default_factory=list)
+    # Positions in ``params`` this rank had no gradient for (it sent zeros); after the reduction,
+    # ``used()`` says whether any rank had one.
+    missing: list[int] = field(default_factory=list)
+
+    def used(self) -> list[bool]:
+        """Per parameter: did any rank have a gradient for it? The reduction carries one count per
+        parameter after the gradients (`FSDPParamGroup._reduce_scatter_one`); read only when this
+        rank missed some (a host sync on accelerators, in that rare case only)."""
+        if not self.missing:
+            return [True] * len(self.params)
+        slot = sum(p.shard_numel for p in self.params)
+        counts = self.output.narrow(0, slot, len(self.params)).tolist()
+        return [c != 0 for c in counts]
 
     def slices(self) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
         """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
@@ -349,14 +362,17 @@ class FSDPParamGroup:
                     self.grad_observer(p, grad)
                 if grad is None and self.requires_all_reduce:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
-                if grad is not None and p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
-                    p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.reduce_dtype))
-                elif grad is not None:
-                    params.append(p)
-                    grads.append(grad)
+                if p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
+                    if grad is not None:
+                        p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.reduce_dtype))
+                    continue
+                # Every trainable parameter takes part, with None where this rank has no gradient
+                # (zeros are sent): ranks that route differently (MoE) still agree on the layout.
+                params.append(p)
+                grads.append(grad)
             if reshard:
                 self.reshard()
-            if not grads:
+            if all(g is None for g in grads):  # nothing on this rank: no reduction (as every rank, usually)
                 results = []
             elif bucketed and self.bucket is not None:
                 results = self.bucket.add_grads(self, params, grads, phase)
@@ -379,7 +395,9 @@ class FSDPParamGroup:
             p.take_unsharded_grad()
             p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
 
-    def reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor], phase: str, name: str) -> ReduceScatterResult:
+    def reduce_scatter(
+        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], phase: str, name: str
+    ) -> ReduceScatterResult:
         """Reduce ``grads`` (of ``params``: this group's, or a bucket's with this group's reduction
         key) with one reduce-scatter per reduce dtype; ``name`` labels it in traces."""
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
@@ -391,10 +409,24 @@ class FSDPParamGroup:
         return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, phase, name) for dtype, (ps, gs) in by_dtype.items()])
 
     def _reduce_scatter_one(
-        self, params: list[FSDPParam], grads: list[torch.Tensor], dtype: torch.dtype, phase: str, name: str
+        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, phase: str, name: str
     ) -> ReduceScatterPart:
+        """One reduce-scatter of ``grads`` (None: this rank has none; zeros are sent) followed by one
+        count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
+        so every rank receives the totals): a parameter no rank had a gradient for keeps its
+        ``.grad`` as it was, as in single-process training."""
         comm = self._comm()
-        slot = sum(p.shard_numel for p in params)
+        missing = [i for i, g in enumerate(grads) if g is None]
+        device = self.info.device
+        # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
+        gdtype = next((g.dtype for g in grads if g is not None), dtype)
+        inputs = [g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
+                  for p, g in zip(params, grads)]
+        had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
+        for i in missing:
+            had[i] = 0
+        inputs.append(had.expand(self.info.world_size, len(params)))
+        slot = sum(p.shard_numel for p in params) + len(params)
         info = self.info
         factor = info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
         plan = collectives.plan_reduction(
@@ -404,8 +436,9 @@ class FSDPParamGroup:
         with torch.no_grad():
             # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
             # gradients were made: they can be freed right after with no cross-stream hazard.
-            rs_input = collectives.reduce_scatter_copy_in(grads, self.info.world_size, slot, dtype, self.info.device)
+            rs_input = collectives.reduce_scatter_copy_in(inputs, self.info.world_size, slot, dtype, self.info.device)
             grads.clear()
+            inputs.clear()
             if before != 1:
                 rs_input.div_(before)
             with comm.on(comm.reduce_scatter_stream):
@@ -417,6 +450,7 @@ class FSDPParamGroup:
                     nbytes = rs_input.numel() * rs_input.element_size()
                     comm.record_collective(phase, name, "reduce_scatter", dtype, nbytes, self.info.group, plan)
                 part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase, name)
+                part.missing = missing
                 if self.info.is_hsdp and self.requires_all_reduce:
                     part.partials = [p.take_partial_reduce() for p in params]
                 # HSDP all-reduce and accumulation once it lands: stream-ordered on accelerators
@@ -432,8 +466,9 @@ class FSDPParamGroup:
         if self.info.is_hsdp and self.info.replicate_size > 1:
             assert self.info.replicate_group is not None
             if not self.requires_all_reduce:
-                for p, reduced in part.slices():
-                    p.add_partial_reduce(reduced)
+                for (p, reduced), used in zip(part.slices(), part.used()):
+                    if used:
+                        p.add_partial_reduce(reduced)
                 return
             for (p, reduced), partial in zip(part.slices(), part.partials):
                 if partial is not None:
@@ -448,5 +483,6 @@ class FSDPParamGroup:
     def _accumulate(self, part: ReduceScatterPart) -> None:
         if part.plan.after != 1:
             part.output.div_(part.plan.after)
-        for p, reduced in part.slices():
-            p.accumulate_sharded_grad(reduced)
+        for (p, reduced), used in zip(part.slices(), part.used()):
+            if used:  # no rank had a gradient: .grad stays as it was (None, or earlier accumulation)
+                p.accumulate_sharded_grad(reduced)
