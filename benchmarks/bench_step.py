@@ -22,7 +22,8 @@ residual blocks), each block and the root sharded, same seed, same data, in one 
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
 ``--unbucketed`` adds a row for ours with bucketing off; ``--hsdp`` shards over a (2, world/2)
-(replicate, shard) mesh.
+(replicate, shard) mesh; ``--finite-check`` / ``--schedule-check`` turn those checks on for ours
+(compare with a run without to read their cost).
 
 Options: --model {llama,wide,deep-narrow} --unbucketed --hsdp --rounds R --steps-per-round K --warmup W --dim D --layers L
          --batch B --seq-len S --out FILE --param-dtype {fp32,bf16}
@@ -126,6 +127,8 @@ def build(name: str, args: argparse.Namespace) -> Impl:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if name == "ours_unbucketed":
             model.set_bucket_bytes(0)
+        if args.finite_check:
+            model.set_grad_finite_check("report")
     elif name == "torch_fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -270,6 +273,8 @@ def main() -> None:
     p.add_argument("--unbucketed", action="store_true",
                    help="also time ours with bucketing off (set_bucket_bytes(0)): what buckets cost and save")
     p.add_argument("--hsdp", action="store_true", help="both FSDPs on a (2, world/2) (replicate, shard) mesh")
+    p.add_argument("--finite-check", action="store_true", help="ours with set_grad_finite_check('report'): its cost")
+    p.add_argument("--schedule-check", action="store_true", help="ours with the schedule check on: its cost")
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
     args = p.parse_args()
@@ -278,6 +283,10 @@ def main() -> None:
     args.layers = args.layers if args.layers is not None else defaults[1]
 
     dist.init_process_group("gloo")
+    if args.schedule_check:
+        from fully_shard.debug import set_schedule_check
+
+        set_schedule_check(True)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
     names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]

@@ -477,3 +477,116 @@ def _rank_divergent_routing() -> dict:
 def test_rank_divergent_routing_in_one_group_equals_the_reference(ranks, world_size):
     for r in ranks(world_size).run(_rank_divergent_routing):
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64 and r["unused_grad_none"], r
+
+
+class _Stack(torch.nn.Module):
+    """Four same-shaped residual blocks; ``skip`` names one this rank leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(7, 7) for _ in range(4)])
+        self.skip = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = x + torch.tanh(block(x))
+        return x
+
+
+def _divergent_schedule(kind: str) -> dict:
+    """On a fresh process group with the schedule check on (2 s timeout), rank 1 diverges: it skips
+    block 1 in forward, or it skips the backward. Every rank that sees it raises, naming it."""
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fully_shard import debug, fully_shard
+
+    rank, w = world()
+    group = dist.new_group(backend="gloo")
+    mesh = DeviceMesh.from_group(group, "cpu")
+    torch.manual_seed(0)
+    model = _Stack().double()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_bucket_bytes(0)  # one collective per block, so a skipped block shows as one
+    x, _ = mlp_batch(0)
+    debug.set_schedule_check(True, timeout=2.0)
+    start = time.monotonic()
+    error = ""
+    try:
+        if kind == "skip_block" and rank == 1:
+            model.skip = 1
+        out = model(x.chunk(w)[rank]).sum()
+        if not (kind == "skip_backward" and rank == 1):
+            out.backward()
+    except debug.ScheduleDivergence as e:
+        error = str(e)
+    finally:
+        debug.set_schedule_check(False)
+        model.reset_iter_state()
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_schedule_check_names_a_rank_that_skips_a_block(ranks, world_size):
+    r0, r1 = ranks(world_size).run(_divergent_schedule, "skip_block")
+    for r in (r0, r1):
+        assert "ranks disagree on collective #2 on process group" in r["error"], r
+        # Linear(7, 7) over 2 ranks: 4 padded rows of 7 weights + 4 of bias = 32 float64 per rank.
+        assert "rank 0: all_gather of 'blocks.1' (float64, 512 bytes) [forward]" in r["error"], r
+        assert "rank 1: all_gather of 'blocks.2' (float64, 512 bytes) [forward]" in r["error"], r
+        assert "The last collective all ranks agreed on: #1: all_gather of 'blocks.0'" in r["error"], r
+        assert r["seconds"] < 30, r
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_schedule_check_names_a_rank_that_skips_backward(ranks, world_size):
+    r0, r1 = ranks(world_size).run(_divergent_schedule, "skip_backward")
+    # Forward gathered the 4 blocks (#1-#4); backward starts by gathering the last one again.
+    assert "rank 0 is about to issue collective #5" in r0["error"], r0
+    assert "all_gather of 'blocks.3' (float64, 512 bytes) [backward]" in r0["error"], r0
+    assert "but rank(s) [1] issued no collective #5 within 2 s" in r0["error"], r0
+    assert r1["error"] == "", r1  # rank 1 issued nothing more: only the rank left waiting can tell
+    assert 2 <= r0["seconds"] < 30, r0
+
+
+def _watchdog_dump() -> dict:
+    """Rank 1 joins the first all-gather 3 s late; rank 0's watchdog (1 s) dumps the FSDP state
+    and the stacks to stderr while it waits, and the step then completes normally."""
+    import sys
+    import tempfile
+    import time
+
+    from fully_shard import debug, fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    x, y = mlp_batch(0)
+    debug.set_watchdog(1.0)
+    saved = sys.stderr
+    with tempfile.TemporaryFile("w+") as f:
+        sys.stderr = f
+        try:
+            if rank == 1:
+                time.sleep(3.0)
+            _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        finally:
+            sys.stderr = saved
+            debug.set_watchdog(None)
+        f.seek(0)
+        dumped = f.read()
+    return {"dumped": dumped}
+
+
+def test_watchdog_dumps_state_and_stacks_of_a_long_wait(ranks):
+    r0, r1 = ranks(2).run(_watchdog_dump)
+    out = r0["dumped"]
+    assert "fully_shard watchdog: rank 0 has waited more than 1 s for the all_gather of '<root>' (forward)" in out, out
+    assert "root Sequential: iteration FORWARD" in out and "module '<root>': FORWARD, group SHARDED, all-gather in flight" in out, out
+    assert "Python stacks of every thread:" in out and "_watchdog_dump" in out, out
+    assert r1["dumped"] == "", r1  # rank 1 never waited long

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from . import schedule
+
 if TYPE_CHECKING:
     from .collectives import Reduction
 
@@ -59,6 +61,7 @@ class Pending:
     keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
     # CPU: work that needs the collective's result, run by the thread that waits (see `CommContext.settle`).
     after: Optional[Callable[[], None]] = None
+    what: str = "a collective"  # how the watchdog names it
     # Exactly one thread may wait on a work: gloo's composite collectives finish writing their
     # output inside wait(), so a second, concurrent wait() can return before the data is there.
     _wait_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -67,7 +70,7 @@ class Pending:
         """Make the caller (CPU thread, or the current stream) wait for the collective, then run
         what was waiting for its result."""
         if self.work is not None:
-            with self._wait_lock:
+            with self._wait_lock, schedule.watching(self.what):
                 if self.work is not None:
                     self.work.wait()
                     self.work = None

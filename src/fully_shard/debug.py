@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
+from .schedule import ScheduleDivergence, set_schedule_check, set_watchdog  # noqa: F401  (public: fully_shard.debug.*)
+
 if TYPE_CHECKING:
     from .collectives import Reduction
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from . import collectives
+from . import collectives, schedule
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
 from .mesh import MeshInfo, PostForwardGroup
@@ -244,11 +244,14 @@ class FSDPParamGroup:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
+            if world > 1:
+                schedule.before_collective("all_gather", label(members), self.all_gather_dtype, output.numel(), group, phase)
             work = collectives.all_gather(output, ag_input, group, comm.async_op) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
         if world > 1:
             comm.record_collective(phase, label(members), "all_gather", self.all_gather_dtype, output.numel(), group)
-        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,)), world, members)
+        what = f"the all_gather of '{label(members)}' ({phase})"
+        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=what), world, members)
         for g in members:
             g._all_gather = gather
 
@@ -446,10 +449,12 @@ class FSDPParamGroup:
                     output, work = rs_input, None
                 else:
                     output = torch.empty(slot, dtype=dtype, device=self.info.device)
-                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op, plan.op)
                     nbytes = rs_input.numel() * rs_input.element_size()
+                    schedule.before_collective("reduce_scatter", name, dtype, nbytes, self.info.group, phase)
+                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op, plan.op)
                     comm.record_collective(phase, name, "reduce_scatter", dtype, nbytes, self.info.group, plan)
-                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,)), output, params, plan, phase, name)
+                what = f"the reduce_scatter of '{name}' ({phase})"
+                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,), what=what), output, params, plan, phase, name)
                 part.missing = missing
                 if self.info.is_hsdp and self.requires_all_reduce:
                     part.partials = [p.take_partial_reduce() for p in params]
@@ -474,6 +479,7 @@ class FSDPParamGroup:
                 if partial is not None:
                     reduced.add_(partial)
             nbytes = part.output.numel() * part.output.element_size()
+            schedule.before_collective("all_reduce", part.name, part.output.dtype, nbytes, self.info.replicate_group, part.phase)
             self._comm().record_collective(
                 part.phase, part.name, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
             )

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from dataclasses import dataclass
 
 from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
+from . import schedule
 from .comm import CommContext
 from .finite import FiniteCheck, NonFiniteGradients, mode_from_env
 from .copying import copy_fields, refuse_busy
@@ -57,6 +58,20 @@ class RootContext:
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
         self.finite: Optional[FiniteCheck] = None
+
+    def describe(self) -> list[str]:
+        """What this root is doing, for the watchdog (schedule.py)."""
+        lines = [f"root {class_name(self.root.modules[0])}: iteration {self.phase.name}"
+                 + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")]
+        for s in self.states:
+            g = s.group
+            group = "" if g is None else f", group {g.sharded_state.name}" + (
+                ", all-gather in flight" if g._all_gather is not None else "")
+            lines.append(f"  module '{s.fqn or '<root>'}': {s.phase.name}{group}")
+        for b in self.buckets:
+            if b.holds_grads:
+                lines.append(f"  bucket {b.name}: gradients waiting for its reduce-scatter")
+        return lines
 
     def configure_finite_check(self) -> None:
         """Turn the finite check (finite.py) on or off for every group under this root."""
@@ -327,6 +342,7 @@ class FSDPState:
             state._join(ctx, is_root=state is self, fqn=paths[state])
         ctx.plan_buckets()
         ctx.configure_finite_check()
+        schedule.register_root(ctx)
 
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx
