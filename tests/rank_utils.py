@@ -35,7 +35,12 @@ def max_param_diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     ours = {_unwrapped(n): p for n, p in model.named_parameters()}
     theirs = {_unwrapped(n): p for n, p in ref.named_parameters()}
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
-    return max((full(ours[k]).detach() - theirs[k].detach()).abs().max().item() for k in ours)
+    diffs = []
+    for k in ours:
+        a, b = full(ours[k]).detach(), theirs[k].detach()
+        assert a.shape == b.shape, (k, a.shape, b.shape)
+        diffs.append((a - b).abs().max().item() if a.numel() else 0.0)  # a size-0 parameter: equal by shape
+    return max(diffs)
 
 
 def global_mean(x: torch.Tensor) -> float:
