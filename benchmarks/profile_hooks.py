@@ -76,7 +76,7 @@ def main() -> None:
     defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
     args.dim = args.dim if args.dim is not None else defaults[0]
     args.layers = args.layers if args.layers is not None else defaults[1]
-    args.param_dtype, args.hsdp = "fp32", False
+    args.param_dtype, args.hsdp, args.finite_check = "fp32", False, False
 
     dist.init_process_group("gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))

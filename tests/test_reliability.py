@@ -590,3 +590,31 @@ def test_watchdog_dumps_state_and_stacks_of_a_long_wait(ranks):
     assert "root Sequential: iteration FORWARD" in out and "module '<root>': FORWARD, group SHARDED, all-gather in flight" in out, out
     assert "Python stacks of every thread:" in out and "_watchdog_dump" in out, out
     assert r1["dumped"] == "", r1  # rank 1 never waited long
+
+
+def _tied_outside_every_call() -> dict:
+    """lm_head.weight = embed.weight, only embed sharded (root not): lm_head still holds the original
+    tensor, so the optimizer over model.parameters() would step a weight the embedding no longer
+    uses. Named at the first step."""
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(11, 6)
+    model.lm_head = torch.nn.Linear(6, 11, bias=False)
+    model.lm_head.weight = model.embed.weight
+    fully_shard(model.embed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.arange(4)
+    model.lm_head(model.embed(tokens)).sum().backward()
+    try:
+        opt.step()
+        return {"error": ""}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+def test_weight_tied_outside_every_call_is_named(ranks):
+    for r in ranks(2).run(_tied_outside_every_call):
+        assert "SGD holds parameter 'weight' as it was before fully_shard" in r["error"], r
+        assert "a weight tied outside every call" in r["error"] and "apply fully_shard to the root" in r["error"], r

@@ -51,9 +51,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         if owner is not None and owner.sharded_param is not p:
             raise RuntimeError(
                 f"{type(optimizer).__name__} holds parameter '{owner.path}' as it was before fully_shard, which "
-                "replaced it in the model with a sharded DTensor: this optimizer would never train it. Fix: build "
-                "the optimizer after fully_shard (e.g. optimizer = torch.optim.AdamW(model.parameters()) once every "
-                "fully_shard call has run)."
+                "replaced it in the model with a sharded DTensor: this optimizer would never train it (and ranks "
+                "would drift). Either the optimizer was built before fully_shard, or a module no fully_shard call "
+                "covers still holds the original (a weight tied outside every call, e.g. lm_head.weight = "
+                "embed.weight with only embed sharded). Fix: build the optimizer after fully_shard (e.g. "
+                "torch.optim.AdamW(model.parameters()) once every call has run), and apply fully_shard to the "
+                "root so every module sharing the weight is covered."
             )
         if owner is not None:
             managed.append(owner)
