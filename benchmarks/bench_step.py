@@ -344,13 +344,17 @@ def main() -> None:
                 f"{', '.join(f'{b / 2**20:.1f}' for b in rss)} | {memory[name][1][1] if name != 'ddp' else '(in C++)'} | "
                 f"{memory[name][1][0] / 2**20:.2f} |"
             )
-        table = "\n".join(lines)
-        print(table, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(table + "\n")
+        emit("\n".join(lines), args.out)
 
     shutdown()
+
+
+def emit(table: str, out: "str | None") -> None:
+    """Print a markdown table (rank 0) and, with ``--out``, write it there too."""
+    print(table, flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import build  # noqa: E402
+from bench_step import build, emit  # noqa: E402
 from teardown import shutdown  # noqa: E402
 
 # "FSDP::pre_forward layers.0" (ours), "FSDP::pre_forward (layers.0)" (PyTorch's)
@@ -111,11 +111,7 @@ def main() -> None:
         lines.append("|---|---|---|")
         for m, a, b in per_module:
             lines.append(f"| {m} | {a:.0f} | {b:.0f} |")
-        table = "\n".join(lines)
-        print(table, flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(table + "\n")
+        emit("\n".join(lines), args.out)
     shutdown()
 
 
