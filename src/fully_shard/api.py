@@ -228,6 +228,58 @@ class FSDPModule:
             )
         return state
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """``True`` (our default; PyTorch's is ``False``): every reduce-scatter carries all trainable
+        parameters of its group, zeros where this rank has no gradient, and a used-count per
+        parameter, so ranks that use different parameters (MoE routing, multi-modal branches) agree
+        on the layout and the result equals single-process training (a parameter no rank used keeps
+        ``.grad`` as it was). ``False``: only this rank's gradients, PyTorch's layout: correct only
+        when every rank uses the same parameters, and bit for bit PyTorch's at any world size."""
+        value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_unused = value
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None) -> None:
+        """Call ``hook(reduce_output)`` on this module's every gradient reduction, after the
+        reduce-scatter (and after the HSDP all-reduce, on a 2-D mesh), before the division and the
+        accumulation into ``.grad``: e.g. your own all-reduce across replicas on a 1-D mesh.
+        ``reduce_output`` is this rank's flat gradient shard of the group, followed by one
+        used-count per parameter (see ``set_reduce_scatter_unused_params``). ``stream``
+        (accelerators, 1-D mesh only): run the hook there; the accumulation waits for it."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook expects a callable hook(reduce_output), got {type(hook).__name__}.")
+        state = self._get_fsdp_state()
+        if state.group is None:
+            raise ValueError(f"set_all_reduce_hook on {class_name(self)}, which manages no parameters of its own.")
+        if stream is not None:
+            if state.info.device.type == "cpu":
+                raise ValueError("set_all_reduce_hook(stream=...) needs an accelerator mesh; on CPU there are no streams.")
+            if state.info.is_hsdp:
+                raise ValueError("set_all_reduce_hook(stream=...): with HSDP the hook runs where the all-reduce ran; drop stream.")
+        state.group.all_reduce_hook = hook
+        state.group.all_reduce_hook_stream = stream
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather`` interface:
+        ``comm.allocate(size, dtype=, device=)`` makes the output buffer, ``comm(output_tensor=,
+        input_tensor=, group=, async_op=)`` runs the collective and returns its work or None)."""
+        _check_comm("set_custom_all_gather", comm)
+        self._own_group("set_custom_all_gather").custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``
+        interface: ``comm.allocate(...)`` makes the input and output buffers, ``comm(output_tensor=,
+        input_tensor=, group=, op=, async_op=)`` runs the collective)."""
+        _check_comm("set_custom_reduce_scatter", comm)
+        self._own_group("set_custom_reduce_scatter").custom_reduce_scatter = comm
+
+    def _own_group(self, method: str) -> FSDPParamGroup:
+        group = self._get_fsdp_state().group
+        if group is None:
+            raise ValueError(f"{method} on {class_name(self)}, which manages no parameters of its own.")
+        return group
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
         backward does not read them, e.g. an embedding lookup)."""
@@ -259,6 +311,14 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is not None:
             state.ctx.handle(Event.RESET)
+
+
+def _check_comm(method: str, comm: Any) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise TypeError(
+            f"{method} expects a comm object with allocate(size, *, dtype, device) and __call__ (PyTorch's "
+            f"torch.distributed.fsdp AllGather / ReduceScatter interface), got {type(comm).__name__}."
+        )
 
 
 def _check_bool(name: str, value: Any) -> bool:

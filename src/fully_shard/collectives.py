@@ -21,8 +21,17 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _empty(size: int, dtype: torch.dtype, device: torch.device, comm: Any) -> torch.Tensor:
+    """A communication buffer: from a custom comm's ``allocate`` (``set_custom_all_gather`` /
+    ``set_custom_reduce_scatter``) when there is one, else the caching allocator."""
+    if comm is None:
+        return torch.empty(size, dtype=dtype, device=device)
+    return comm.allocate((size,), dtype=dtype, device=device)
+
+
 def all_gather_copy_in(
-    inputs: Sequence[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, device: torch.device
+    inputs: Sequence[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
+    comm: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the all-gather output (``W * S`` elements of ``dtype``, held as bytes) and copy
     this rank's inputs into its own slot, casting them to ``dtype`` on the way (no temporaries).
@@ -32,7 +41,7 @@ def all_gather_copy_in(
     """
     slot = sum(t.numel() for t in inputs)
     nbytes = slot * dtype.itemsize
-    output = torch.empty(world_size * nbytes, dtype=torch.uint8, device=device)
+    output = _empty(world_size * nbytes, torch.uint8, device, comm)
     ag_input = output.narrow(0, rank * nbytes, nbytes)
     views = ag_input.view(dtype).split([t.numel() for t in inputs])
     torch._foreach_copy_(list(views), [t.reshape(-1) for t in inputs])
@@ -40,8 +49,10 @@ def all_gather_copy_in(
 
 
 def all_gather(
-    output: torch.Tensor, ag_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool
+    output: torch.Tensor, ag_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, comm: Any = None
 ) -> Optional[dist.Work]:
+    if comm is not None:  # a custom AllGather (PyTorch's interface, called by keyword as PyTorch does)
+        return comm(output_tensor=output, input_tensor=ag_input, group=group, async_op=async_op)
     return _all_gather_flat(output, ag_input, group=group, async_op=async_op)
 
 
@@ -52,13 +63,14 @@ def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[to
 
 
 def reduce_scatter_copy_in(
-    grads: Sequence[torch.Tensor], world_size: int, slot: int, dtype: torch.dtype, device: torch.device
+    grads: Sequence[torch.Tensor], world_size: int, slot: int, dtype: torch.dtype, device: torch.device,
+    comm: Any = None,
 ) -> torch.Tensor:
     """Pad each gradient's dim 0 to a multiple of ``W`` and lay the ranks' chunks out as ``(W, S)``.
 
     ``slot`` is ``S``: the padded shard sizes of these gradients' parameters, summed.
     """
-    flat = torch.empty(world_size, slot, dtype=dtype, device=device)
+    flat = _empty(world_size * slot, dtype, device, comm).view(world_size, slot)
     torch._chunk_cat(list(grads), dim=0, num_chunks=world_size, out=flat)  # casts into ``dtype``
     return flat.view(-1)
 
@@ -108,10 +120,12 @@ def plan_reduction(
 
 
 def reduce_scatter(
-    output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: Any
+    output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: Any, comm: Any = None
 ) -> Optional[dist.Work]:
     if rs_input.is_complex():  # summed as (real, imag) pairs: each rank's chunk stays whole
         output, rs_input = torch.view_as_real(output).view(-1), torch.view_as_real(rs_input).view(-1)
+    if comm is not None:  # a custom ReduceScatter (PyTorch's interface, called by keyword)
+        return comm(output_tensor=output, input_tensor=rs_input, group=group, op=op, async_op=async_op)
     return _reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)
 
 

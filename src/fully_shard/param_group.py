@@ -149,6 +149,18 @@ class FSDPParamGroup:
         self.requires_all_reduce = True
         # set_force_sum_reduction_for_comms: SUM collectives only, dividing ourselves (see plan_reduction).
         self.force_sum_reduction = False
+        # set_reduce_scatter_unused_params: True (default) reduces every trainable parameter (zeros
+        # where this rank has no gradient) with used-counts; False reduces only this rank's gradients
+        # (PyTorch's default layout: fine when every rank uses the same parameters).
+        self.reduce_unused = True
+        # set_all_reduce_hook: called on each reduction's output (after the HSDP all-reduce, if any),
+        # before the division; on ``all_reduce_hook_stream`` when given (accelerators).
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        self.all_reduce_hook_stream: Optional[torch.Stream] = None
+        # set_custom_all_gather / set_custom_reduce_scatter: comm objects that allocate their buffers
+        # and run the collective (PyTorch's AllGather / ReduceScatter interface).
+        self.custom_all_gather: Any = None
+        self.custom_reduce_scatter: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
         if self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None or self.offload_events:
@@ -242,11 +254,12 @@ class FSDPParamGroup:
                 comm.on(comm.all_gather_stream, after):
             if inputs is None:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
-            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device)
+            custom = self.custom_all_gather if world == self.info.world_size else None  # not for int-reshard regathers
+            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device, custom)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
             if world > 1:
                 schedule.before_collective("all_gather", label(members), self.all_gather_dtype, output.numel(), group, phase)
-            work = collectives.all_gather(output, ag_input, group, comm.async_op) if world > 1 else None
+            work = collectives.all_gather(output, ag_input, group, comm.async_op, custom) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
         if world > 1:
             comm.record_collective(phase, label(members), "all_gather", self.all_gather_dtype, output.numel(), group)
@@ -371,8 +384,9 @@ class FSDPParamGroup:
                     continue
                 # Every trainable parameter takes part, with None where this rank has no gradient
                 # (zeros are sent): ranks that route differently (MoE) still agree on the layout.
-                params.append(p)
-                grads.append(grad)
+                if grad is not None or self.reduce_unused:
+                    params.append(p)
+                    grads.append(grad)
             if reshard:
                 self.reshard()
             if all(g is None for g in grads):  # nothing on this rank: no reduction (as every rank, usually)
@@ -385,7 +399,11 @@ class FSDPParamGroup:
 
     def reduction_key(self) -> tuple[object, ...]:
         """Groups of one mesh with equal keys may share a reduce-scatter (same division, same ops)."""
-        return (self.gradient_divide_factor, self.force_sum_reduction, self.requires_all_reduce)
+        return (self.gradient_divide_factor, self.force_sum_reduction, self.requires_all_reduce, self.reduce_unused)
+
+    def communicates_plainly(self) -> bool:
+        """No custom comm and no all-reduce hook: this group may share collectives (bucket.py)."""
+        return self.all_reduce_hook is None and self.custom_all_gather is None and self.custom_reduce_scatter is None
 
     def wait_for_offloaded_grads(self) -> None:
         """Block the host until every gradient copied to it this backward has landed."""
@@ -425,11 +443,13 @@ class FSDPParamGroup:
         gdtype = next((g.dtype for g in grads if g is not None), dtype)
         inputs = [g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
                   for p, g in zip(params, grads)]
-        had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
-        for i in missing:
-            had[i] = 0
-        inputs.append(had.expand(self.info.world_size, len(params)))
-        slot = sum(p.shard_numel for p in params) + len(params)
+        counted = self.reduce_unused
+        if counted:
+            had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
+            for i in missing:
+                had[i] = 0
+            inputs.append(had.expand(self.info.world_size, len(params)))
+        slot = sum(p.shard_numel for p in params) + (len(params) if counted else 0)
         info = self.info
         factor = info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
         plan = collectives.plan_reduction(
@@ -439,7 +459,9 @@ class FSDPParamGroup:
         with torch.no_grad():
             # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
             # gradients were made: they can be freed right after with no cross-stream hazard.
-            rs_input = collectives.reduce_scatter_copy_in(inputs, self.info.world_size, slot, dtype, self.info.device)
+            rs_input = collectives.reduce_scatter_copy_in(
+                inputs, self.info.world_size, slot, dtype, self.info.device, self.custom_reduce_scatter
+            )
             grads.clear()
             inputs.clear()
             if before != 1:
@@ -448,10 +470,12 @@ class FSDPParamGroup:
                 if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
                     output, work = rs_input, None
                 else:
-                    output = torch.empty(slot, dtype=dtype, device=self.info.device)
+                    output = collectives._empty(slot, dtype, self.info.device, self.custom_reduce_scatter)
                     nbytes = rs_input.numel() * rs_input.element_size()
                     schedule.before_collective("reduce_scatter", name, dtype, nbytes, self.info.group, phase)
-                    work = collectives.reduce_scatter(output, rs_input, self.info.group, comm.async_op, plan.op)
+                    work = collectives.reduce_scatter(
+                        output, rs_input, self.info.group, comm.async_op, plan.op, self.custom_reduce_scatter
+                    )
                     comm.record_collective(phase, name, "reduce_scatter", dtype, nbytes, self.info.group, plan)
                 what = f"the reduce_scatter of '{name}' ({phase})"
                 part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,), what=what), output, params, plan, phase, name)
@@ -484,7 +508,21 @@ class FSDPParamGroup:
                 part.phase, part.name, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
             )
             collectives.all_reduce(part.output, self.info.replicate_group, part.plan.all_reduce_op)
+        if self.all_reduce_hook is not None:
+            self._run_all_reduce_hook(part.output)
         self._accumulate(part)
+
+    def _run_all_reduce_hook(self, output: torch.Tensor) -> None:
+        stream = self.all_reduce_hook_stream
+        if stream is None:
+            assert self.all_reduce_hook is not None
+            self.all_reduce_hook(output)
+            return
+        current = torch.accelerator.current_stream(self.info.device)
+        stream.wait_stream(current)
+        with stream:
+            self.all_reduce_hook(output)  # type: ignore[misc]
+        current.wait_stream(stream)
 
     def _accumulate(self, part: ReduceScatterPart) -> None:
         if part.plan.after != 1:

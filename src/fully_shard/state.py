@@ -371,6 +371,7 @@ class FSDPState:
         return (
             self.reshard_after_forward is True and s.reshard_after_backward and s.unshard_in_backward
             and s.forward_prefetch is None and s.backward_prefetch is None
+            and (self.group is None or self.group.communicates_plainly())
         )
 
     def resolve_reshard_after_forward(self) -> None:
