@@ -2,7 +2,7 @@
 
 from . import debug
 from .clip import clip_grad_norm_
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import FSDPModule, ReplicateModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate
 from .finite import NonFinite, NonFiniteGradients
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
@@ -19,10 +19,12 @@ __all__ = [
     "NonFinite",
     "NonFiniteGradients",
     "OffloadPolicy",
+    "ReplicateModule",
     "UnshardHandle",
     "clip_grad_norm_",
     "debug",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
     "unsharded",
 ]

@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 from .lifecycle import Event
 from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for, warn_uneven_complex
-from .mesh import check_reshard_after_forward, mesh_info
+from .mesh import check_reshard_after_forward, mesh_info, replicate_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
@@ -372,6 +372,16 @@ def _sharded_class(cls: type) -> type:
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls})
 
 
+class ReplicateModule(FSDPModule):
+    """Mixed into the class of every module `replicate` was applied to."""
+
+
+@functools.cache
+def _replicated_class(cls: type) -> type:
+    attrs = {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs)
+
+
 def fully_shard(
     module: Union[nn.Module, list[nn.Module]],
     *,
@@ -407,10 +417,43 @@ def fully_shard(
     Returns the module (or list), whose class now also derives from `FSDPModule`.
     """
     modules = _as_module_list(module)
-    mp_policy = as_mp_policy(mp_policy)
-    offload_policy = as_offload_policy(offload_policy)
     info = mesh_info(mesh)
     reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
+    _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params, shard_placement_fn,
+           _sharded_class)
+    return module
+
+
+def replicate(
+    module: Union[nn.Module, list[nn.Module]],
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[set[nn.Parameter]] = None,
+) -> Union[nn.Module, list[nn.Module]]:
+    """Data parallelism without sharding, on the same engine and controls as `fully_shard`
+    (PyTorch's ``replicate``): every rank keeps whole parameters, as ``Replicate()`` DTensors on
+    the 1-D ``mesh``; each backward all-reduces (averages) the gradients across its ranks. Compose
+    it with ``fully_shard`` in one model (e.g. small modules replicated, big ones sharded), bottom-up
+    like ``fully_shard``; consecutive small replicated modules share one all-reduce (buckets).
+
+    Returns the module (or list), whose class now also derives from `ReplicateModule` (an
+    `FSDPModule`: ``set_requires_gradient_sync``, ``set_requires_all_reduce``, hooks, ...).
+    """
+    modules = _as_module_list(module)
+    info = replicate_info(mesh)
+    _apply(modules, info, False, mp_policy, offload_policy, ignored_params, None, _replicated_class)
+    return module
+
+
+def _apply(
+    modules: list[nn.Module], info: Any, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
+    ignored_params: Optional[set[nn.Parameter]], shard_placement_fn: Any, make_class: Callable[[type], type],
+) -> None:
+    """Check everything, then manage the parameters of ``modules`` as one group on ``info``."""
+    mp_policy = as_mp_policy(mp_policy)
+    offload_policy = as_offload_policy(offload_policy)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found.own, info)
@@ -432,8 +475,7 @@ def fully_shard(
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed)
     for m in modules:
-        _install(m, state)
-    return module
+        _install(m, state, make_class)
 
 
 class _OutsideCompile:
@@ -472,7 +514,7 @@ def _outside_compile_type() -> type:
     return type("OutsideCompileHook", (_OutsideCompile,), {"__call__": disabled, "__module__": __name__})
 
 
-def _install(module: nn.Module, state: FSDPState) -> None:
+def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], type]) -> None:
     module.__dict__["_fsdp_state"] = state
     hook = _outside_compile_type()
     module.register_forward_pre_hook(hook(state.pre_forward), prepend=True, with_kwargs=True)
@@ -482,7 +524,7 @@ def _install(module: nn.Module, state: FSDPState) -> None:
     module.register_state_dict_post_hook(_Hook(state.show_unsharded))
     module.register_load_state_dict_pre_hook(_Hook(state.show_sharded))
     module.register_load_state_dict_post_hook(_Hook(state.show_unsharded))
-    module.__class__ = _sharded_class(type(module))
+    module.__class__ = make_class(type(module))
 
 
 def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module]:

@@ -29,6 +29,9 @@ class MeshInfo:
     replicate_group: Optional[dist.ProcessGroup] = None
     replicate_size: int = 1
     native_avg: bool = False  # the backend averages in-kernel (NCCL's AVG / PreMulSum)
+    # `replicate`: a 1-D mesh of replicas, no shard dimension (a shard world of 1; parameters are
+    # ``Replicate()`` DTensors on the mesh; gradients are all-reduced over it).
+    replicate_only: bool = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "MeshInfo":
         return self  # immutable, and names the shared mesh and process groups a copy runs on too
@@ -43,6 +46,8 @@ class MeshInfo:
         return self.replicate_size * self.world_size
 
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
+        if self.replicate_only:
+            return (Replicate(),)
         shard = Shard(shard_dim)
         return (Replicate(), shard) if self.is_hsdp else (shard,)
 
@@ -97,6 +102,32 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
         replicate_size=mesh.size(0) if hsdp else 1,
         # "nccl", or "cpu:gloo,cuda:nccl" for a process group made without a backend
         native_avg=mesh.device_type != "cpu" and "nccl" in str(dist.get_backend(mesh.get_group(shard_dim))),
+    )
+
+
+def replicate_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
+    """`replicate` on a 1-D mesh: one shard rank (nothing to gather or reduce-scatter), the mesh's
+    ranks as replicas (gradients all-reduced over them)."""
+    mesh = default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"replicate(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"replicate got a {mesh.ndim}-D mesh {mesh.mesh_dim_names or ''}; it replicates over a 1-D mesh. "
+            "Fix: pass the data-parallel dimension, e.g. mesh['dp'] (for replicas of shards use fully_shard "
+            "with a 2-D (replicate, shard) mesh)."
+        )
+    group = mesh.get_group(0)
+    return MeshInfo(
+        mesh=mesh,
+        group=group,  # names the mesh only: a shard world of 1 issues no collective on it
+        world_size=1,
+        rank=0,
+        device=mesh_device(mesh),
+        replicate_group=group,
+        replicate_size=mesh.size(0),
+        native_avg=mesh.device_type != "cpu" and "nccl" in str(dist.get_backend(group)),
+        replicate_only=True,
     )
 
 
