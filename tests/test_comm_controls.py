@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from _parity import TOL64, _mlp_loss, _train_pair, check, make_mlp, max_abs_diff, mlp_batch, shard_mlp
-from rank_utils import world
+from rank_utils import cpu_mesh, world
 
 
 class CountingAllGather:
@@ -177,3 +177,56 @@ def test_bad_comm_controls_are_refused():
             model.set_all_reduce_hook(lambda t: None, stream=object())  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="reduce_scatter_unused_params must be True or False"):
             model.set_reduce_scatter_unused_params("yes")  # type: ignore[arg-type]
+
+
+def _pipeline_stages(shared: bool) -> dict:
+    """Two roots on one rank (pipeline stages): stage 1 = blocks 0-1, stage 2 = block 2 + head."""
+    from fully_shard import debug, fully_shard, share_comm_ctx
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    stage1, stage2 = model[:2], model[2:]  # plain Sequentials over the same children
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(stage1, mesh=cpu_mesh())
+    fully_shard(stage2, mesh=cpu_mesh())
+    if shared:
+        share_comm_ctx([stage1, stage2])
+    rank, w = world()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    loss_diff = 0.0
+    with debug.trace() as t:
+        for step in range(3):
+            x, y = mlp_batch(step)
+            loss = ((stage2(stage1(x.chunk(w)[rank])) - y.chunk(w)[rank]) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_loss = _mlp_loss(ref, x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            from rank_utils import global_mean
+
+            loss_diff = max(loss_diff, abs(global_mean(loss) - ref_loss.item()))
+    from rank_utils import max_param_diff
+
+    c1, c2 = stage1._get_fsdp_state().ctx.comm, stage2._get_fsdp_state().ctx.comm
+    error = ""
+    try:
+        share_comm_ctx([stage1])
+    except ValueError as e:
+        error = str(e)
+    return {"loss_diff": loss_diff, "param_diff": max_param_diff(model, ref), "same_comm": c1 is c2,
+            "traced": t.count() > 0 or w == 1, "late_error": error}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("shared", [True, False])
+def test_share_comm_ctx_between_pipeline_stages(ranks, world_size, shared):
+    results = ranks(world_size).run(_pipeline_stages, shared)
+    check(results, f"two stages, shared={shared} vs single process (float64)")
+    for r in results:
+        assert r["same_comm"] == shared and r["traced"], r
+        assert "already ran" in r["late_error"] and "call share_comm_ctx before the first forward" in r["late_error"], r

@@ -2,7 +2,9 @@
 
 from . import debug
 from .clip import clip_grad_norm_
-from .api import FSDPModule, ReplicateModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate
+from .api import (
+    FSDPModule, ReplicateModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate, share_comm_ctx,
+)
 from .finite import NonFinite, NonFiniteGradients
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
@@ -26,5 +28,6 @@ __all__ = [
     "fully_shard",
     "register_fsdp_forward_method",
     "replicate",
+    "share_comm_ctx",
     "unsharded",
 ]

@@ -22,7 +22,7 @@ from .registry import class_name, register_original
 from .traps import install_optimizer_check, register_ignored
 from .finite import NonFinite
 from .debug import attach_active_traces
-from .state import FSDPState, fsdp_states
+from .state import FSDPState, SharedComm, fsdp_states
 
 
 class UnshardHandle:
@@ -311,6 +311,31 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is not None:
             state.ctx.handle(Event.RESET)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several root modules (e.g. the pipeline stages one rank runs) share one communication
+    context: the all-gather and reduce-scatter streams on accelerators (no memory fragmentation
+    across stage streams), the CPU release worker, and the collective trace. Call before their
+    first forward, with the roots (PyTorch's ``share_comm_ctx``)."""
+    if not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx expects a list of fully_shard root modules, got {type(modules).__name__}.")
+    states = []
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"share_comm_ctx got a {class_name(m)}, which fully_shard was not applied to; pass the root modules."
+            )
+        state = m._get_fsdp_state()
+        if state.ctx is not None:
+            raise ValueError(
+                f"share_comm_ctx: {class_name(m)} already ran (its communication context exists). "
+                "Fix: call share_comm_ctx before the first forward of any of these modules."
+            )
+        states.append(state)
+    shared = SharedComm()
+    for state in states:
+        state.settings.shared_comm = shared
 
 
 def _check_comm(method: str, comm: Any) -> None:

@@ -250,8 +250,30 @@ class StateSettings:
     forward_prefetch: Optional[list["FSDPState"]] = None  # None: no forward prefetch
     backward_prefetch: Optional[list["FSDPState"]] = None  # None: implicit (reverse forward order)
     post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
+    shared_comm: Optional["SharedComm"] = None  # share_comm_ctx: roots that share streams and workers
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # read from the root's settings (bucket.py)
     grad_finite_check: str = "env"  # read from the root's settings: "env" (FULLY_SHARD_CHECK_FINITE), "off", or a mode
+
+
+class SharedComm:
+    """`share_comm_ctx`: one `CommContext` (streams, release worker, traces) for several roots,
+    e.g. the pipeline stages one rank runs; made by the first root that starts."""
+
+    def __init__(self) -> None:
+        self.comm: Optional[CommContext] = None
+
+    def get(self, device: torch.device) -> CommContext:
+        if self.comm is None:
+            self.comm = CommContext(device)
+        elif self.comm.device != device:
+            raise RuntimeError(
+                f"share_comm_ctx: roots on {self.comm.device} and {device} cannot share streams. "
+                "Fix: share only among roots whose meshes are on the same device."
+            )
+        return self.comm
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "SharedComm":
+        return SharedComm()  # a copied model starts its own
 
 
 def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
@@ -337,7 +359,9 @@ class FSDPState:
                 f"fully_shard modules under one root use meshes on different devices {sorted(device_types)}; "
                 "give every fully_shard call a mesh on the same device type."
             )
-        ctx = RootContext(self, states, CommContext(self.info.device))
+        shared = self.settings.shared_comm
+        comm = shared.get(self.info.device) if shared is not None else CommContext(self.info.device)
+        ctx = RootContext(self, states, comm)
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
         ctx.plan_buckets()
