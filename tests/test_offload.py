@@ -82,3 +82,65 @@ def _offload_meta_init() -> float:
 @pytest.mark.parametrize("world_size", [2])
 def test_cpu_offload_with_meta_init(ranks, world_size):
     assert ranks(world_size).run(_offload_meta_init) == [0.0] * world_size
+
+
+def _per_parameter_offload(kind: str) -> dict:
+    """Some parameters offloaded, the rest not, in one model (and one group): by name pattern, or
+    by offload_by_budget (the largest parameters up to a byte budget). Trains exactly like the
+    same model with no offload."""
+    from fully_shard import CPUOffloadPolicy, fully_shard, offload_by_budget
+
+    rank, w = world()
+    torch.manual_seed(0)
+    plain = llama64(LlamaConfig(n_layers=2))
+    mixed = copy.deepcopy(plain)
+    if kind == "patterns":
+        policy = {"*.w1.weight": CPUOffloadPolicy(), "tok_embeddings.*": CPUOffloadPolicy()}
+    else:
+        embed = mixed.tok_embeddings.weight
+        budget = embed.numel() * embed.element_size()  # exactly the largest parameter
+        policy = offload_by_budget(mixed, budget)
+    for model, kwargs in ((plain, {}), (mixed, {"offload_policy": policy})):
+        for layer in model.layers:
+            fully_shard(layer, mesh=cpu_mesh(), **kwargs)
+        fully_shard(model, mesh=cpu_mesh(), **kwargs)
+    states = {m.__dict__["_fsdp_state"] for m in mixed.modules() if "_fsdp_state" in m.__dict__}
+    offloaded = sorted(p.path for s in states for p in s.group.params if p.offload)
+    opts = [torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for m in (plain, mixed)]
+    for step in range(3):
+        x, y = llama_batch(step)
+        for m, opt in zip((plain, mixed), opts):
+            _llama_loss(m, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(plain.parameters(), mixed.parameters()))
+    return {"offloaded": offloaded, "diff": diff, "plan": repr(policy) if kind == "budget" else ""}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["patterns", "budget"])
+def test_per_parameter_offload(ranks, world_size, kind):
+    for r in ranks(world_size).run(_per_parameter_offload, kind):
+        if kind == "patterns":  # names are relative to the module each call shards
+            assert r["offloaded"] == ["feed_forward.w1.weight", "feed_forward.w1.weight", "tok_embeddings.weight"], r
+        else:
+            assert r["offloaded"] == ["tok_embeddings.weight"] and "OffloadPlan(1 parameters" in r["plan"], r
+        assert r["diff"] == 0.0, r
+
+
+def test_bad_per_parameter_offload_is_refused_before_anything_changes():
+    from fake_world import fake_world
+
+    from fully_shard import fully_shard, offload_by_budget
+
+    with fake_world(2) as mesh:
+        model = llama64(LlamaConfig(n_layers=1))
+        with pytest.raises(TypeError, match="offload_policy must be a fully_shard.policy.OffloadPolicy"):
+            fully_shard(model, mesh=mesh, offload_policy={"*": "cpu"})
+        with pytest.raises(TypeError, match="offload_policy must be"):
+            fully_shard(model, mesh=mesh, offload_policy=lambda p: 42)
+        from torch.distributed.tensor import DTensor
+
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+        with pytest.raises(ValueError, match="offload_by_budget expects a byte budget >= 0"):
+            offload_by_budget(model, -1)

@@ -6,12 +6,14 @@ from .api import (
     FSDPModule, ReplicateModule, UnshardHandle, fully_shard, register_fsdp_forward_method, replicate, share_comm_ctx,
 )
 from .finite import NonFinite, NonFiniteGradients
+from .offload import OffloadPlan, offload_by_budget
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
 
 # `from fully_shard import fully_shard` gives the function; these keep the package-style
 # spellings (`fully_shard.unsharded(...)`, `fully_shard.debug.trace()`) working on it too.
 fully_shard.unsharded = unsharded  # type: ignore[attr-defined]
+fully_shard.offload_by_budget = offload_by_budget  # type: ignore[attr-defined]
 fully_shard.debug = debug  # type: ignore[attr-defined]
 
 __all__ = [
@@ -20,12 +22,14 @@ __all__ = [
     "MixedPrecisionPolicy",
     "NonFinite",
     "NonFiniteGradients",
+    "OffloadPlan",
     "OffloadPolicy",
     "ReplicateModule",
     "UnshardHandle",
     "clip_grad_norm_",
     "debug",
     "fully_shard",
+    "offload_by_budget",
     "register_fsdp_forward_method",
     "replicate",
     "share_comm_ctx",

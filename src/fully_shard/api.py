@@ -17,7 +17,8 @@ from .discovery import check_params, find_params, is_sharded_module, move_buffer
 from .mesh import check_reshard_after_forward, mesh_info, replicate_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from .offload import offload_chooser
+from .policy import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy
 from .registry import class_name, register_original
 from .traps import install_optimizer_check, register_ignored
 from .finite import NonFinite
@@ -413,7 +414,7 @@ def fully_shard(
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-    offload_policy: OffloadPolicy = OffloadPolicy(),
+    offload_policy: Any = OffloadPolicy(),  # a policy, {name pattern: policy}, or param -> policy
     ignored_params: Optional[set[nn.Parameter]] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
 ) -> Union[nn.Module, list[nn.Module]]:
@@ -434,7 +435,9 @@ def fully_shard(
         mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy` (PyTorch's
             FSDP2 policy objects are accepted and converted; shards,
             gradients and optimizer state on the host; each all-gather copies the shard to the
-            device; on a CPU mesh it changes nothing).
+            device; on a CPU mesh it changes nothing). ``offload_policy`` may also choose per
+            parameter: a mapping from name patterns to policies, or a callable ``param -> policy``
+            such as `fully_shard.offload_by_budget(model, bytes)` (see offload.py).
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
         shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
             (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
@@ -478,17 +481,20 @@ def _apply(
 ) -> None:
     """Check everything, then manage the parameters of ``modules`` as one group on ``info``."""
     mp_policy = as_mp_policy(mp_policy)
-    offload_policy = as_offload_policy(offload_policy)
+    choose_offload = offload_chooser(offload_policy)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
     check_params(found.own, info)
     shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
     warn_uneven_complex(found.own, shard_dims, info)
+    offloads = [choose_offload(param, places[0].fqn) for param, places in found.own]  # a bad choice raises here
     # Every check has passed; from here on nothing raises on user input.
     install_optimizer_check()
     register_ignored(ignored_params)
-    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
-    params = [FSDPParam(param, places, info, mp_policy, dim, offload) for (param, places), dim in zip(found.own, shard_dims)]
+    params = [
+        FSDPParam(param, places, info, mp_policy, dim, offload)
+        for (param, places), dim, offload in zip(found.own, shard_dims, offloads)
+    ]
     for (original, _), managed in zip(found.own, params):
         register_original(original, managed)
     group = FSDPParamGroup(params, info, fqn="") if params else None

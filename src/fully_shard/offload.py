@@ -1,0 +1,94 @@
+"""Per-parameter offload: which parameters of one ``fully_shard`` call keep their shards (and
+gradients and optimizer state) on the host, and which stay on the device.
+
+``fully_shard(..., offload_policy=...)`` takes, besides one policy for the whole call:
+
+* a mapping from ``fnmatch`` patterns (over parameter names relative to the module passed, e.g.
+  ``"*.w1.weight"`` or ``"experts.*"``) to policies: the first matching pattern decides, and a
+  parameter no pattern matches stays on the device;
+* a callable ``param -> policy`` (or ``None`` for the device), e.g. `offload_by_budget`'s plan.
+
+Every choice is made, and checked, before ``fully_shard`` changes anything.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Callable, Mapping, Optional
+
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .policy import CPUOffloadPolicy, OffloadPolicy, as_offload_policy
+
+Chooser = Callable[[nn.Parameter, str], Optional[CPUOffloadPolicy]]
+
+
+def offload_chooser(value: Any) -> Chooser:
+    """Turn ``fully_shard``'s ``offload_policy`` into ``(param, name) -> CPUOffloadPolicy | None``."""
+    if isinstance(value, Mapping):
+        rules = []
+        for pattern, policy in value.items():
+            if not isinstance(pattern, str):
+                raise TypeError(f"offload_policy mapping keys must be parameter-name patterns (str), got {pattern!r}.")
+            rules.append((pattern, as_offload_policy(policy)))
+
+        def by_name(param: nn.Parameter, name: str) -> Optional[CPUOffloadPolicy]:
+            for pattern, policy in rules:
+                if fnmatch.fnmatchcase(name, pattern):
+                    return policy if isinstance(policy, CPUOffloadPolicy) else None
+            return None
+
+        return by_name
+    if callable(value) and not isinstance(value, OffloadPolicy):
+
+        def by_call(param: nn.Parameter, name: str) -> Optional[CPUOffloadPolicy]:
+            chosen = value(param)
+            if chosen is None:
+                return None
+            policy = as_offload_policy(chosen)
+            return policy if isinstance(policy, CPUOffloadPolicy) else None
+
+        return by_call
+    policy = as_offload_policy(value)
+    fixed = policy if isinstance(policy, CPUOffloadPolicy) else None
+    return lambda param, name: fixed
+
+
+class OffloadPlan:
+    """`offload_by_budget`'s choice: callable as ``offload_policy`` for every ``fully_shard`` call."""
+
+    def __init__(self, chosen: dict[str, nn.Parameter], policy: CPUOffloadPolicy, nbytes: int) -> None:
+        self.names = list(chosen)  # the parameters offloaded, largest first
+        self.nbytes = nbytes  # their bytes in total
+        self.policy = policy
+        self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for p in chosen.values():
+            self._params[p] = True
+
+    def __call__(self, param: nn.Parameter) -> Optional[CPUOffloadPolicy]:
+        return self.policy if param in self._params else None
+
+    def __repr__(self) -> str:
+        return f"OffloadPlan({len(self.names)} parameters, {self.nbytes / 2**20:.1f} MiB: {self.names[:4]}...)"
+
+
+def offload_by_budget(model: nn.Module, budget_bytes: int, policy: Optional[CPUOffloadPolicy] = None) -> OffloadPlan:
+    """Offload the largest parameters of ``model`` whose (unsharded) bytes add up to at most
+    ``budget_bytes``; the rest stays on the device. Pass the result as ``offload_policy`` to every
+    ``fully_shard`` call on the model (before any of them runs: it recognises the parameters)."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"offload_by_budget expects a byte budget >= 0, got {budget_bytes!r}.")
+    policy = policy if policy is not None else CPUOffloadPolicy()
+    sized = sorted(
+        ((n, p) for n, p in model.named_parameters()), key=lambda item: item[1].numel() * item[1].element_size(),
+        reverse=True,
+    )
+    chosen: dict[str, nn.Parameter] = {}
+    total = 0
+    for name, p in sized:
+        size = p.numel() * p.element_size()
+        if total + size <= budget_bytes:
+            chosen[name] = p
+            total += size
+    return OffloadPlan(chosen, policy, total)
