@@ -7,6 +7,7 @@ from .api import (
 )
 from .finite import NonFinite, NonFiniteGradients
 from .offload import OffloadPlan, offload_by_budget
+from .spmd import DataParallelMeshDims
 from .policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .unsharded import unsharded
 
@@ -18,6 +19,7 @@ fully_shard.debug = debug  # type: ignore[attr-defined]
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "NonFinite",

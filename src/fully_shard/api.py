@@ -18,6 +18,7 @@ from .mesh import check_reshard_after_forward, mesh_info, replicate_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
 from .offload import offload_chooser
+from .spmd import as_dp_mesh_dims, dp_mesh, localize_params, restore
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy
 from .registry import class_name, register_original
 from .traps import install_optimizer_check, register_ignored
@@ -417,6 +418,7 @@ def fully_shard(
     offload_policy: Any = OffloadPolicy(),  # a policy, {name pattern: policy}, or param -> policy
     ignored_params: Optional[set[nn.Parameter]] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    dp_mesh_dims: Any = None,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (dim-0, one group per call).
 
@@ -441,14 +443,27 @@ def fully_shard(
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
         shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
             (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
+        dp_mesh_dims: with ``mesh`` a full SPMD mesh (data-parallel and e.g. tensor-parallel dims),
+            `DataParallelMeshDims(shard=..., replicate=...)` names the data-parallel dims;
+            parameters already DTensors on that mesh keep their other dims' placements (spmd.py).
 
     Returns the module (or list), whose class now also derives from `FSDPModule`.
     """
     modules = _as_module_list(module)
-    info = mesh_info(mesh)
-    reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
-    _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params, shard_placement_fn,
-           _sharded_class)
+    changes: list = []
+    if dp_mesh_dims is not None:
+        dims = as_dp_mesh_dims(dp_mesh_dims)
+        full = mesh
+        mesh, others = dp_mesh(full, dims)
+        changes = localize_params(modules, full, dims.replicate_names + dims.shard_names, others)  # type: ignore[arg-type]
+    try:
+        info = mesh_info(mesh)
+        reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
+        _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params, shard_placement_fn,
+               _sharded_class)
+    except BaseException:
+        restore(changes)  # a refused call leaves the parameters as they were
+        raise
     return module
 
 

@@ -1,0 +1,134 @@
+"""``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``: a full SPMD mesh
+(data-parallel dims and others, e.g. tensor parallel), as torchtitan's default path passes it.
+
+The data-parallel dims named by ``dp_mesh_dims`` become the mesh ``fully_shard`` shards over (one
+``shard`` dim: FSDP; ``replicate`` and ``shard``: HSDP; a tuple of names is flattened into one
+dim). Parameters that are already DTensors on the full mesh must be ``Replicate()`` on every
+data-parallel dim; their placements on the other dims describe tensor parallelism, so each is
+re-expressed, with the same local tensor, as a DTensor on the sub-mesh of those dims (the form
+`fully_shard` composes with, see tp.py); a parameter replicated everywhere becomes a plain tensor.
+HSDP together with tensor-parallel dims is not supported yet and is refused, as on a 3-D mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from .registry import manager_of
+
+Names = Union[str, tuple[str, ...], None]
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which dims of a full SPMD mesh are data parallel (PyTorch's ``DataParallelMeshDims``)."""
+
+    shard: Names = None
+    replicate: Names = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims needs at least one of shard= or replicate= (mesh dim names).")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: Names) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def as_dp_mesh_dims(value: Any) -> DataParallelMeshDims:
+    """Ours as is; PyTorch's ``DataParallelMeshDims`` (recognised by its fields) converted."""
+    if isinstance(value, DataParallelMeshDims):
+        return value
+    if type(value).__name__ == "DataParallelMeshDims" and hasattr(value, "shard") and hasattr(value, "replicate"):
+        return DataParallelMeshDims(shard=value.shard, replicate=value.replicate)
+    raise TypeError(
+        f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims (PyTorch's is converted), got {type(value).__name__}."
+    )
+
+
+def _dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    sub = mesh[names[0]] if len(names) == 1 else mesh[names]
+    return sub if sub.ndim == 1 else sub._flatten("_".join(names))
+
+
+def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[DeviceMesh, tuple[str, ...]]:
+    """The data-parallel mesh to shard over, and the names of the full mesh's other dims."""
+    if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
+        raise ValueError(
+            "fully_shard(dp_mesh_dims=...) needs mesh= the full SPMD mesh with named dims, e.g. "
+            "init_device_mesh(device, (2, 2), mesh_dim_names=('dp', 'tp'))."
+        )
+    names = tuple(mesh.mesh_dim_names)
+    dp = dims.replicate_names + dims.shard_names
+    unknown = [n for n in dp if n not in names]
+    if unknown or len(set(dp)) != len(dp):
+        raise ValueError(
+            f"dp_mesh_dims names {list(dp)}, but the mesh's dims are {list(names)} (each dp dim once). "
+            "Fix: name dims of the mesh you pass."
+        )
+    others = tuple(n for n in names if n not in dp)
+    if dims.replicate_names and dims.shard_names:
+        if len(dims.replicate_names) > 1 or len(dims.shard_names) > 1:
+            raise ValueError("dp_mesh_dims: HSDP with flattened (tuple) dims is not supported yet; name one dim each.")
+        return mesh[dims.replicate_names[0], dims.shard_names[0]], others
+    if dims.replicate_names:
+        raise ValueError(
+            "dp_mesh_dims with replicate= only is data parallelism without sharding: use replicate(module, "
+            "mesh=mesh[...]) (fully_shard.replicate)."
+        )
+    return _dim(mesh, dims.shard_names), others
+
+
+def localize_params(modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[str, ...], others: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Re-express parameters that are DTensors on the full mesh on the sub-mesh of ``others``
+    (or as plain tensors when replicated everywhere). Returns what it replaced, for a rollback."""
+    names = tuple(mesh.mesh_dim_names or ())
+    changes: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
+    seen: dict[int, nn.Parameter] = {}
+    for top in modules:
+        for module in top.modules():
+            for attr, param in list(module._parameters.items()):
+                if not isinstance(param, DTensor) or param.device_mesh != mesh or manager_of(param) is not None:
+                    continue  # plain, on another mesh, or already sharded by an earlier call
+                placements = dict(zip(names, param.placements))
+                wrong = [n for n in dp_names if not isinstance(placements[n], Replicate)]
+                if wrong:
+                    raise ValueError(
+                        f"parameter '{attr}' of {type(module).__name__} is a DTensor on the full mesh with placements "
+                        f"{tuple(param.placements)}: on the data-parallel dims {wrong} it must be Replicate() (fully_shard "
+                        "shards it there). Fix: distribute it over the non-data-parallel dims only."
+                    )
+                if id(param) not in seen:
+                    local = param.to_local()
+                    rest = [placements[n] for n in others]
+                    if not others or all(isinstance(p, Replicate) for p in rest):
+                        new = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
+                    else:
+                        sub = mesh[others[0]] if len(others) == 1 else mesh[others]
+                        dt = DTensor.from_local(local.detach(), sub, rest, shape=param.shape, stride=param.stride())
+                        new = nn.Parameter(dt, requires_grad=param.requires_grad)
+                    seen[id(param)] = new
+                changes.append((module, attr, param, seen[id(param)]))
+    for module, attr, _, new in changes:
+        module._parameters[attr] = new
+    return [(module, attr, old) for module, attr, old, _ in changes]
+
+
+def restore(changes: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
+    for module, attr, old in changes:
+        module._parameters[attr] = old

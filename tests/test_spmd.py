@@ -1,0 +1,116 @@
+"""``fully_shard(..., mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))`` (issue #12 item 4),
+as torchtitan's default path calls it: equal to passing the data-parallel sub-mesh, and parameters
+already DTensors on the full mesh (tensor parallel on the other dims) train like the float64
+single-process model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from _parity import _mlp_loss, _train_pair, check, make_mlp, max_abs_diff, mlp_batch
+from rank_utils import world
+
+
+def _shard_blocks(model, **kwargs) -> None:
+    from fully_shard import fully_shard
+
+    for block in model[:3]:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _same_as_submesh(kind: str) -> dict:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+
+    from fully_shard import DataParallelMeshDims
+
+    a, b = make_mlp(), make_mlp()
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+        _shard_blocks(a, mesh=mesh, dp_mesh_dims=TorchDims(shard="shard", replicate="rep"))  # PyTorch's object
+        _shard_blocks(b, mesh=mesh)
+    else:  # two dims flattened into one shard dim of 4 ranks
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
+        _shard_blocks(a, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("x", "y")))
+        _shard_blocks(b, mesh=init_device_mesh("cpu", (4,)))
+    ref = copy.deepcopy(make_mlp())
+    out = _train_pair(a, ref, mlp_batch, _mlp_loss, 3)
+    _train_pair(b, copy.deepcopy(make_mlp()), mlp_batch, _mlp_loss, 3)
+    out["vs_submesh"] = max_abs_diff(a, b)
+    out["placements"] = sorted({tuple(p.placements) for p in a.parameters()}, key=str)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "flattened"])
+def test_dp_mesh_dims_equals_the_submesh(ranks, kind):
+    results = ranks(4).run(_same_as_submesh, kind)
+    check(results, f"dp_mesh_dims {kind} vs single process (float64)")
+    for r in results:
+        assert r["vs_submesh"] == 0.0, r
+        expected = [(Replicate(), Shard(0))] if kind == "hsdp" else [(Shard(0),)]
+        assert r["placements"] == expected, r
+
+
+class FullMeshLinear(nn.Module):
+    """A weight already distributed on the full (dp, tp) mesh: Replicate() on dp, Shard(0) on tp."""
+
+    def __init__(self, lin: nn.Linear, mesh) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(distribute_tensor(lin.weight.detach().clone(), mesh, [Replicate(), Shard(0)]))
+        self.bias = nn.Parameter(lin.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.full_tensor() if isinstance(self.weight, DTensor) else self.weight
+        return F.linear(x, w, self.bias)
+
+
+def _tensor_parallel_on_full_mesh() -> dict:
+    from fully_shard import DataParallelMeshDims, fully_shard
+
+    rank, w = world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    model = nn.Sequential(FullMeshLinear(ref[0], mesh), nn.Tanh(), FullMeshLinear(ref[2], mesh))
+    dims = DataParallelMeshDims(shard="dp")
+    fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()})
+    dp_rank = mesh.get_local_rank("dp")
+    return {**_train_pair(model, ref, mlp_batch, _mlp_loss, 3, split=(dp_rank, 2)), "meshes": meshes}
+
+
+def test_parameters_already_on_the_full_mesh_train_like_the_reference(ranks):
+    results = ranks(4).run(_tensor_parallel_on_full_mesh)
+    check(results, "dp_mesh_dims with tensor-parallel weights vs single process (float64)")
+    for r in results:
+        assert r["meshes"] == ["('dp', 'tp')", "('dp',)"], r  # weights: (dp, tp); biases: dp only
+
+
+def test_dp_mesh_dims_bad_input_is_refused_before_anything_changes():
+    from fake_world import fake_world
+
+    from fully_shard import DataParallelMeshDims, fully_shard
+
+    with fake_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = make_mlp()
+        with pytest.raises(ValueError, match=r"dp_mesh_dims names \['nope'\], but the mesh's dims are \['dp', 'tp'\]"):
+            fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="nope"))
+        with pytest.raises(ValueError, match="use replicate"):
+            fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="dp"))
+        bad = nn.Linear(4, 4)
+        bad.weight = nn.Parameter(distribute_tensor(bad.weight.detach(), mesh, [Shard(0), Replicate()]))
+        original = bad.weight
+        with pytest.raises(ValueError, match=r"on the data-parallel dims \['dp'\] it must be Replicate\(\)"):
+            fully_shard(bad, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        assert bad.weight is original
+        with pytest.raises(ValueError, match="At least one|needs at least one"):
+            DataParallelMeshDims()
