@@ -282,3 +282,38 @@ def test_tensor_parallel_with_fully_shard_matches_single_process(ranks, world_si
     for r in results:
         assert r["initial"] == 0 and r["state_dict_diff"] <= TOL64, r
     check(results, f"tp+fsdp {shape} reshard={reshard}")
+
+
+def _hsdp_tp_parity(shape: tuple[int, int, int]) -> dict:
+    """HSDP x TP on a 3-D (replicate, shard, tp) mesh: blocks tensor-parallel over tp, then
+    fully_shard over the (replicate, shard) sub-mesh."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fully_shard import fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "shard", "tp"))
+    dp = mesh["rep", "shard"]
+    model = make_tp_model()
+    ref = copy.deepcopy(model)
+    for block in model[1:3]:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    placements = tuple(model[1].down.weight.placements)
+    dp_rank = mesh.get_local_rank(0) * shape[1] + mesh.get_local_rank(1)
+    out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS, split=(dp_rank, shape[0] * shape[1]))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    out["state_dict_diff"] = max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+    out["placements"] = placements
+    return out
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), (2, 1, 2), (2, 2, 1)])
+def test_hsdp_with_tensor_parallel_on_a_3d_mesh(ranks, shape):
+    results = ranks(4).run(_hsdp_tp_parity, shape)
+    check(results, f"hsdp x tp {shape} vs single process (float64)")
+    for r in results:
+        assert r["state_dict_diff"] <= TOL64, r
+        assert r["placements"] == (Replicate(), Shard(0), Shard(1)), r  # down: rows over shard, cols over tp

@@ -59,11 +59,12 @@ def test_dp_mesh_dims_equals_the_submesh(ranks, kind):
 
 
 class FullMeshLinear(nn.Module):
-    """A weight already distributed on the full (dp, tp) mesh: Replicate() on dp, Shard(0) on tp."""
+    """A weight already distributed on the full mesh: Replicate() on the dp dims, Shard(0) on tp."""
 
     def __init__(self, lin: nn.Linear, mesh) -> None:
         super().__init__()
-        self.weight = nn.Parameter(distribute_tensor(lin.weight.detach().clone(), mesh, [Replicate(), Shard(0)]))
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+        self.weight = nn.Parameter(distribute_tensor(lin.weight.detach().clone(), mesh, placements))
         self.bias = nn.Parameter(lin.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,27 +72,34 @@ class FullMeshLinear(nn.Module):
         return F.linear(x, w, self.bias)
 
 
-def _tensor_parallel_on_full_mesh() -> dict:
+def _tensor_parallel_on_full_mesh(hsdp: bool) -> dict:
     from fully_shard import DataParallelMeshDims, fully_shard
 
     rank, w = world()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if hsdp:  # HSDP x TP: (replicate 2, shard 1, tp 2)
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp", replicate="rep")
+        dp_rank, dp_size = mesh.get_local_rank("rep"), 2
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp")
+        dp_rank, dp_size = mesh.get_local_rank("dp"), 2
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     model = nn.Sequential(FullMeshLinear(ref[0], mesh), nn.Tanh(), FullMeshLinear(ref[2], mesh))
-    dims = DataParallelMeshDims(shard="dp")
     fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in model.parameters()})
-    dp_rank = mesh.get_local_rank("dp")
-    return {**_train_pair(model, ref, mlp_batch, _mlp_loss, 3, split=(dp_rank, 2)), "meshes": meshes}
+    return {**_train_pair(model, ref, mlp_batch, _mlp_loss, 3, split=(dp_rank, dp_size)), "meshes": meshes}
 
 
-def test_parameters_already_on_the_full_mesh_train_like_the_reference(ranks):
-    results = ranks(4).run(_tensor_parallel_on_full_mesh)
-    check(results, "dp_mesh_dims with tensor-parallel weights vs single process (float64)")
-    for r in results:
-        assert r["meshes"] == ["('dp', 'tp')", "('dp',)"], r  # weights: (dp, tp); biases: dp only
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_parameters_already_on_the_full_mesh_train_like_the_reference(ranks, hsdp):
+    results = ranks(4).run(_tensor_parallel_on_full_mesh, hsdp)
+    check(results, f"dp_mesh_dims (hsdp={hsdp}) with tensor-parallel weights vs single process (float64)")
+    for r in results:  # weights: the dp dims and tp; biases: the dp dims only
+        expected = ["('rep', 'dp')", "('rep', 'dp', 'tp')"] if hsdp else ["('dp', 'tp')", "('dp',)"]  # sorted as strings
+        assert r["meshes"] == expected, r
 
 
 def test_dp_mesh_dims_bad_input_is_refused_before_anything_changes():

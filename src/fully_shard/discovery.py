@@ -12,9 +12,11 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .mesh import MeshInfo
+from .tp import joint_mesh
 from .param import FSDPParam, ParamPlace
 from .registry import manager_of
 
@@ -112,6 +114,15 @@ def _refuse_parent_first(fqn: str, where: str) -> None:
     )
 
 
+def _one_parent(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
+    """Whether the two meshes are slices of one parent that together span a joint (dp..., tp) mesh."""
+    try:
+        joint = joint_mesh(dp_mesh, tp_mesh)
+    except Exception:  # DeviceMesh refuses to join them
+        return False
+    return joint.ndim == dp_mesh.ndim + 1 and joint.size() == dp_mesh.size() * tp_mesh.size()
+
+
 def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
     """A DTensor fully_shard did not make: accept it as a tensor-parallel parameter when it lives
     on another dimension of the data-parallel mesh's parent mesh."""
@@ -123,10 +134,7 @@ def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
         "'dp' dimension of one parent mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
         "'tp')); parallelize_module(model, mesh['tp'], plan); fully_shard(model, mesh=mesh['dp'])."
     )
-    if info.is_hsdp:
-        raise ValueError(f"{rule} HSDP together with tensor parallelism is not supported yet: pass a 1-D dp mesh.")
-    same_parent = tp_mesh._get_root_mesh() is info.mesh._get_root_mesh() or tp_mesh._get_root_mesh() == info.mesh._get_root_mesh()
-    if tp_mesh.ndim != 1 or tp_mesh == info.mesh or not same_parent or not tp_mesh.mesh_dim_names or not info.mesh.mesh_dim_names:
+    if tp_mesh.ndim != 1 or tp_mesh == info.mesh or not _one_parent(info.mesh, tp_mesh) or not tp_mesh.mesh_dim_names or not info.mesh.mesh_dim_names:
         raise ValueError(f"{rule} Fix: shard plain parameters, or use named sub-meshes of one parent mesh as shown.")
     if any(not isinstance(p, (Shard, Replicate)) for p in param.placements):
         raise ValueError(f"{rule} Its placements must be Shard or Replicate, got {tuple(param.placements)}.")

@@ -7,7 +7,7 @@ dim). Parameters that are already DTensors on the full mesh must be ``Replicate(
 data-parallel dim; their placements on the other dims describe tensor parallelism, so each is
 re-expressed, with the same local tensor, as a DTensor on the sub-mesh of those dims (the form
 `fully_shard` composes with, see tp.py); a parameter replicated everywhere becomes a plain tensor.
-HSDP together with tensor-parallel dims is not supported yet and is refused, as on a 3-D mesh.
+With ``replicate`` and ``shard`` dims and tensor-parallel ones this is HSDP x TP on the joint mesh.
 """
 
 from __future__ import annotations

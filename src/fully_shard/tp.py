@@ -1,7 +1,7 @@
 """Tensor parallelism under ``fully_shard``: a parameter that is already a DTensor on a TP mesh.
 
-``fully_shard`` shards its TP-local tensor over the data-parallel mesh. The sharded parameter is a
-DTensor on the joint ``(dp, tp)`` mesh; the unsharded one a DTensor on the TP mesh again, as the
+``fully_shard`` shards its TP-local tensor over the data-parallel mesh (1-D, or 2-D HSDP). The
+sharded parameter is a DTensor on the joint ``(dp..., tp)`` mesh; the unsharded one a DTensor on the TP mesh again, as the
 TP-parallelised module expects; its gradient goes back to the TP placements before the
 reduce-scatter.
 """
