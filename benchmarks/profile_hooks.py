@@ -91,7 +91,7 @@ def main() -> None:
             f"the Python thread spends inside outermost FSDP:: regions (wall time: waits for collectives "
             f"included); ours = {ours_name}; torch {torch.__version__}",
             "",
-            f"| | ours | torch_fsdp2 | ours / torch |",
+            "| | ours | torch_fsdp2 | ours / torch |",
             "|---|---|---|---|",
             f"| **total per step** | {total_ours:.0f} | {total_theirs:.0f} | {total_ours / total_theirs:.3f} |",
         ]

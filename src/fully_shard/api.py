@@ -344,7 +344,7 @@ def _check_comm(method: str, comm: Any) -> None:
     if not callable(comm) or not callable(getattr(comm, "allocate", None)):
         raise TypeError(
             f"{method} expects a comm object with allocate(size, *, dtype, device) and __call__ (PyTorch's "
-            f"torch.distributed.fsdp AllGather / ReduceScatter interface), got {type(comm).__name__}."
+            f"FSDP2 AllGather / ReduceScatter comm interface), got {type(comm).__name__}."
         )
 
 

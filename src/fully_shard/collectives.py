@@ -21,7 +21,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _empty(size: int, dtype: torch.dtype, device: torch.device, comm: Any) -> torch.Tensor:
+def empty_buffer(size: int, dtype: torch.dtype, device: torch.device, comm: Any) -> torch.Tensor:
     """A communication buffer: from a custom comm's ``allocate`` (``set_custom_all_gather`` /
     ``set_custom_reduce_scatter``) when there is one, else the caching allocator."""
     if comm is None:
@@ -41,7 +41,7 @@ def all_gather_copy_in(
     """
     slot = sum(t.numel() for t in inputs)
     nbytes = slot * dtype.itemsize
-    output = _empty(world_size * nbytes, torch.uint8, device, comm)
+    output = empty_buffer(world_size * nbytes, torch.uint8, device, comm)
     ag_input = output.narrow(0, rank * nbytes, nbytes)
     views = ag_input.view(dtype).split([t.numel() for t in inputs])
     torch._foreach_copy_(list(views), [t.reshape(-1) for t in inputs])
@@ -70,7 +70,7 @@ def reduce_scatter_copy_in(
 
     ``slot`` is ``S``: the padded shard sizes of these gradients' parameters, summed.
     """
-    flat = _empty(world_size * slot, dtype, device, comm).view(world_size, slot)
+    flat = empty_buffer(world_size * slot, dtype, device, comm).view(world_size, slot)
     torch._chunk_cat(list(grads), dim=0, num_chunks=world_size, out=flat)  # casts into ``dtype``
     return flat.view(-1)
 

@@ -70,9 +70,9 @@ class Pending:
         """Make the caller (CPU thread, or the current stream) wait for the collective, then run
         what was waiting for its result."""
         if self.work is not None:
-            with self._wait_lock, schedule.watching(self.what):
+            with self._wait_lock:
                 if self.work is not None:
-                    self.work.wait()
+                    schedule.wait(self.work, self.what)
                     self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)

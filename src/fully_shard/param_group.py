@@ -470,7 +470,7 @@ class FSDPParamGroup:
                 if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
                     output, work = rs_input, None
                 else:
-                    output = collectives._empty(slot, dtype, self.info.device, self.custom_reduce_scatter)
+                    output = collectives.empty_buffer(slot, dtype, self.info.device, self.custom_reduce_scatter)
                     nbytes = rs_input.numel() * rs_input.element_size()
                     schedule.before_collective("reduce_scatter", name, dtype, nbytes, self.info.group, phase)
                     work = collectives.reduce_scatter(

@@ -19,14 +19,13 @@ Off, it costs one global lookup per collective.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import faulthandler
 import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,17 +133,16 @@ def register_root(root: Any) -> None:
     _roots.add(root)
 
 
-@contextlib.contextmanager
-def watching(what: str) -> Iterator[None]:
-    """Around a blocking wait: start the watchdog's timer (when it is on)."""
+def wait(work: Any, what: str) -> None:
+    """``work.wait()``, under the watchdog's timer when it is on (off: nothing else on this path)."""
     if _watchdog is None:
-        yield
+        work.wait()
         return
     timer = threading.Timer(_watchdog, _dump, args=(what, _watchdog))
     timer.daemon = True
     timer.start()
     try:
-        yield
+        work.wait()
     finally:
         timer.cancel()
 
