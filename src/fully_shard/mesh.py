@@ -45,6 +45,17 @@ class MeshInfo:
         """Ranks that see different data: replicas times shards (the default gradient divisor)."""
         return self.replicate_size * self.world_size
 
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the shard dimension (what all-gather extensions are given): the mesh
+        itself on a 1-D mesh, its last dimension on an HSDP mesh."""
+        if self.mesh.ndim == 1:
+            return self.mesh
+        names = self.mesh.mesh_dim_names
+        if names is None:  # an unnamed 2-D mesh cannot be sliced by name: the whole mesh
+            return self.mesh
+        return self.mesh[names[-1]]
+
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         if self.replicate_only:
             return (Replicate(),)

@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from .copying import copy_fields, refuse_busy
+from .extension import EXTENSION_METHODS, ExtensionState, hooks_of
 from .layout import ShardLayout
 from .lifecycle import ShardedState
 from .mesh import MeshInfo
@@ -103,6 +104,10 @@ class FSDPParam:
         self.pin_memory = self.offload and offload.pin_memory and info.device.type != "cpu"  # type: ignore[union-attr]
         self.shard_device = torch.device("cpu") if self.offload else info.device
         self.tp: Optional[TPSpec] = None
+        # All-gather extension (extension.py): a codec set by set_all_gather_codec, and the state of
+        # the extension while one is in use (None: plain all-gathers so far).
+        self.codec: Any = None
+        self.ext: Optional[ExtensionState] = None
         data = param.detach()
         if isinstance(data, DTensor):
             self.tp = TPSpec.of(data)
@@ -148,7 +153,7 @@ class FSDPParam:
         # The unsharded buffers are resized to nothing between steps (deepcopy cannot copy such a
         # tensor); the copy makes its own at its first unshard.
         new = copy_fields(
-            self, memo, _seen_local=param._local_tensor, unsharded_param=None,
+            self, memo, _seen_local=param._local_tensor, unsharded_param=None, ext=None,
             padded_unsharded=torch.empty(0, dtype=self.param_dtype, device=self.info.device),
         )
         register_sharded(new)
@@ -193,18 +198,22 @@ class FSDPParam:
         """This rank's chunk of a tensor of the unsharded shape (a view)."""
         return full.narrow(self.shard_dim, self.layout.start, self.layout.local_rows)
 
-    def _empty_shard(self, shape: tuple[int, ...], meta: bool = False) -> torch.Tensor:
-        if meta:
-            return torch.empty(shape, dtype=self.dtype, device="meta")
+    def _empty_shard(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """New shard storage shaped ``shape`` for data like ``like``. A tensor subclass (an
+        all-gather extension's weights) makes its own, so the shard stays that subclass."""
+        if like.is_meta:
+            return like.new_empty(shape) if _is_subclass(like) else torch.empty(shape, dtype=self.dtype, device="meta")
+        if _is_subclass(like):
+            return like.new_zeros(shape, device=self.shard_device)
         return torch.empty(shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
 
     def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
         if self.shard_dim != 0:
-            local = self._empty_shard(tuple(self.layout.local_shape), meta=full.is_meta)
+            local = self._empty_shard(tuple(self.layout.local_shape), full)
             if not full.is_meta:
                 local.copy_(self.local_chunk(full))
             return local
-        self.padded_shard = self._empty_shard(tuple(self.layout.padded_shape), meta=full.is_meta)
+        self.padded_shard = self._empty_shard(tuple(self.layout.padded_shape), full)
         if not full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
             # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
             self.padded_shard[: self.layout.local_rows].copy_(self.local_chunk(full))
@@ -267,14 +276,60 @@ class FSDPParam:
         """
         return self.sharded_param._version + self.local_shard._version
 
-    def alloc_all_gather_output(self) -> Optional[torch.Tensor]:
-        """Give the unsharded storage its memory back.
+    # -- all-gather extensions (extension.py) ---------------------------------------------------
 
-        Dim 0: return it viewed as ``(W, shard_numel)``, the all-gather layout (callers view it
-        as bytes for the copy-out). Other dims: the storage is the unsharded tensor itself, not in
-        that layout; return ``None`` and let `copy_out` fill it.
-        """
-        numel = self.info.world_size * self.shard_numel if self.shard_dim == 0 else _numel(self.shape)
+    def resolve_extension(self) -> bool:
+        """Before each all-gather: does this parameter's all-gather go through an extension (its
+        local tensor's fsdp_pre/post_all_gather, or a codec)? Switching between the two forms
+        drops the unsharded parameter built by the other."""
+        hooks = hooks_of(self.local_shard, self.codec, self.path)
+        if hooks is not None and self.shard_dim != 0:
+            raise ValueError(
+                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) and is sharded "
+                f"on dim {self.shard_dim}; extensions gather dim-0 shards. Fix: return Shard(0) (or None) for it from "
+                "shard_placement_fn."
+            )
+        if (hooks is not None) != (self.ext is not None and self.ext.hooks is not None):
+            if self.unsharded_param is not None:
+                self._drop_unsharded()
+            self.ext = ExtensionState() if hooks is not None else None
+        if self.ext is not None:
+            self.ext.hooks = hooks
+        return hooks is not None
+
+    def extension_inputs(self) -> list[torch.Tensor]:
+        """What the extension chose to all-gather for this rank (each input padded to the rows
+        every rank sends), flat, as bytes."""
+        assert self.ext is not None and self.ext.hooks is not None
+        local = self.local_shard
+        if local.device != self.info.device:  # offloaded: the hook sees the shard on the device
+            local = local.to(self.info.device, non_blocking=self.pin_memory)
+        shape = self.shape  # under TP, the TP-local shape (what this library shards)
+        inputs = self.ext.inputs(
+            self.ext.hooks, local, mesh=self.info.shard_mesh, outer_size=shape, outer_stride=_contiguous_stride(shape),
+            module=self.places[0].module, mp_policy=self.mp, local_rows=self.layout.local_rows, rows=self.layout.rows,
+            fqn=self.path,
+        )
+        return [t.reshape(-1).view(torch.uint8) for t in inputs]
+
+    @property
+    def uses_extension(self) -> bool:
+        return self.ext is not None and self.ext.hooks is not None
+
+    def row_bytes(self) -> int:
+        """Bytes this parameter puts in each rank's row of a full all-gather."""
+        if self.ext is not None and self.ext.sizes:
+            return self.ext.row_bytes()
+        return self.shard_numel * self.param_dtype.itemsize
+
+    def all_gather_targets(self) -> Optional[list[torch.Tensor]]:
+        """Give the unsharded storage its memory back and return where the copy-out writes: one
+        ``(W, bytes per rank)`` byte view per all-gather input. ``None`` (a dim other than 0): the
+        storage is the unsharded tensor itself, not in that layout; `copy_out` fills it."""
+        world = self.info.world_size
+        if self.ext is not None and self.ext.hooks is not None:
+            return self.ext.alloc_outputs(world, self.info.device)
+        numel = world * self.shard_numel if self.shard_dim == 0 else _numel(self.shape)
         storage = self.padded_unsharded.untyped_storage()
         nbytes = numel * self.padded_unsharded.element_size()
         if storage.size() != nbytes:
@@ -284,7 +339,7 @@ class FSDPParam:
                 storage.resize_(nbytes)
         if self.shard_dim != 0:
             return None
-        return self.padded_unsharded.view(self.info.world_size, self.shard_numel)
+        return [self.padded_unsharded.view(torch.uint8).view(world, -1)]
 
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded storage from this parameter's ``(W', k * shard_numel)`` slice of an
@@ -303,7 +358,10 @@ class FSDPParam:
 
     def gathered_rows(self, first: int, count: int) -> torch.Tensor:
         """Shard-world rows ``[first, first + count)`` of the gathered parameter, as bytes in the
-        all-gather layout (for ``reshard_after_forward=int``)."""
+        all-gather layout (for ``reshard_after_forward=int``): per input, for an extension."""
+        if self.uses_extension:
+            assert self.ext is not None
+            return torch.cat(self.ext.gathered_rows(first, count, self.info.world_size))
         if self.shard_dim == 0:
             rows = self.padded_unsharded.view(self.info.world_size, -1)[first : first + count]
             return rows.reshape(-1).view(torch.uint8)
@@ -311,6 +369,8 @@ class FSDPParam:
         return _padded_rows(moved, self.layout.rows, first, count).view(-1).view(torch.uint8)
 
     def free_unsharded(self) -> None:
+        if self.ext is not None:
+            self.ext.free()
         self.padded_unsharded.untyped_storage().resize_(0)
 
     def _unsharded_view(self) -> torch.Tensor:
@@ -325,6 +385,20 @@ class FSDPParam:
             self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
+    def _rebuild_from_extension(self) -> nn.Parameter:
+        assert self.ext is not None
+        if self.unsharded_param is not None:
+            out = self.unsharded_param._local_tensor if self.tp is not None else self.unsharded_param  # type: ignore[attr-defined]
+            self.ext.rebuild_into(out, self.param_dtype)
+            return self.unsharded_param
+        with torch.no_grad():
+            tensor = self.ext.rebuild_first(self.param_dtype, self.path)
+            tensor = torch.as_strided(tensor, self.shape, _contiguous_stride(self.shape), 0)  # drops the padding rows
+        if self.tp is not None:
+            tensor = self.tp.unsharded(tensor)
+        self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
+        return self.unsharded_param
+
     # -- state transitions -----------------------------------------------------------------------
 
     # The group's `sharded_state` is the one record of which form is in use: it calls these two on
@@ -336,8 +410,12 @@ class FSDPParam:
         return self.group is not None and self.group.sharded_state is ShardedState.UNSHARDED
 
     def to_unsharded(self) -> None:
-        """Point the module at the unsharded parameter (its data must already be copied out)."""
-        unsharded = self._ensure_unsharded_param()
+        """Point the module at the unsharded parameter (its data must already be copied out; an
+        extension's post hook rebuilds it from the outputs here)."""
+        if self.uses_extension:
+            unsharded = self._rebuild_from_extension()
+        else:
+            unsharded = self._ensure_unsharded_param()
         for place in self.places:
             place.set(unsharded)
 
@@ -515,19 +593,33 @@ class FSDPParam:
                 "(fully_shard keeps offloaded shards on the host)."
             )
         padded = self.padded_shard
-        if padded is not None and not padded.is_meta and padded.dtype == local.dtype and _same_storage(local, padded):
+        if padded is not None and not padded.is_meta and padded.dtype == local.dtype and _views(local, padded):
             return
+        in_place = local.device == self.shard_device and (not self.pin_memory or local.is_pinned())
         if self.shard_dim != 0:
-            if local.device != self.shard_device or (self.pin_memory and not local.is_pinned()):
-                host = self._empty_shard(tuple(local.shape))
+            if not in_place:
+                host = self._empty_shard(tuple(local.shape), local)
                 host.copy_(local)
-                self.sharded_param._local_tensor = host  # type: ignore[attr-defined]
+                self._set_local(local, host)
             return  # the all-gather reads the local tensor itself
-        padded = self._empty_shard(tuple(self.layout.padded_shape))
+        if in_place and tuple(local.shape) == tuple(self.layout.padded_shape) and local.is_contiguous():
+            self.padded_shard = local  # no padding on this rank: the new tensor is the padded shard
+            return
+        padded = self._empty_shard(tuple(self.layout.padded_shape), local)
         padded[: local.shape[0]].copy_(local)
         padded[local.shape[0] :].zero_()
         self.padded_shard = padded
-        self.sharded_param._local_tensor = padded[: local.shape[0]]  # type: ignore[attr-defined]
+        self._set_local(local, padded[: local.shape[0]])
+
+    def _set_local(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Make ``new`` the sharded parameter's local tensor in place of ``old``. All-gather
+        extension methods set on ``old`` itself (PyTorch allows instance methods) move with it."""
+        for name in EXTENSION_METHODS:
+            method = old.__dict__.get(name)
+            if method is not None:
+                bound_to_old = getattr(method, "__self__", None) is old
+                setattr(new, name, method.__func__.__get__(new) if bound_to_old else method)
+        self.sharded_param._local_tensor = new  # type: ignore[attr-defined]
 
     def _drop_unsharded(self) -> None:
         """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
@@ -539,8 +631,17 @@ class FSDPParam:
 _MISSING = object()
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _is_subclass(t: torch.Tensor) -> bool:
+    return type(t) not in (torch.Tensor, nn.Parameter)
+
+
+def _views(local: torch.Tensor, padded: torch.Tensor) -> bool:
+    """Whether ``local`` is still a view of ``padded`` (the shard storage we own)."""
+    if local is padded:
+        return True
+    if _is_subclass(padded):  # wrapper subclasses have no storage of their own to compare
+        return local._base is padded
+    return local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
 
 
 def _padded_rows(moved: torch.Tensor, rows: int, first: int, count: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ by the group; clearing it means it is done.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -52,17 +53,23 @@ class AllGather:
         widths = [g.row_bytes() for g in self.members]
         slots = rows.shape[1] // sum(widths)  # > 1 only gathering back reshard_after_forward=int shares
         waiting = [g._all_gather is self for g in self.members]
-        targets = [[p.alloc_all_gather_output() for p in g.params] if w else [] for g, w in zip(self.members, waiting)]
-        flat = [t for ts in targets for t in ts]
-        if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
-            outs = [t.view(torch.uint8).view(self.world, -1) for t in flat]  # type: ignore[union-attr]
-            collectives.all_gather_copy_out(rows, self.world, outs)
-        else:
-            offset = 0
-            for g, width, w, ts in zip(self.members, widths, waiting, targets):
-                if w:
-                    g._copy_out(rows[:, offset : offset + slots * width], slots, ts)
-                offset += slots * width
+        # Per member still waiting, per parameter: its (W, bytes) targets, or None (copy_out fills it).
+        targets = [[p.all_gather_targets() for p in g.params] if w else [] for g, w in zip(self.members, waiting)]
+        # Extension outputs may be the unsharded parameter's own data, which autograd saved:
+        # writing them must not bump the version it checks (as for the plain path's own storage).
+        ext = tuple(t for g, w in zip(self.members, waiting) if w for p in g.params if p.uses_extension
+                    for t in p.ext.outputs)  # type: ignore[union-attr]
+        with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
+            flat = [t for ts in targets for t in ts]
+            if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
+                outs = [o for t in flat for o in t]  # type: ignore[union-attr]
+                collectives.all_gather_copy_out(rows, self.world, outs)
+            else:
+                offset = 0
+                for g, width, w, ts in zip(self.members, widths, waiting, targets):
+                    if w:
+                        g._copy_out(rows[:, offset : offset + slots * width], slots, ts)
+                    offset += slots * width
         for g, w in zip(self.members, waiting):
             if w:
                 g._all_gather = None
@@ -243,9 +250,12 @@ class FSDPParamGroup:
         else:
             if self.bucket is not None and phase in BUCKETED_PHASES:
                 members = self.bucket.gather_with(self, phase)
+            extended = False
             for g in members:
                 g._gathered_versions = g._shard_versions()
-            dtype = self.all_gather_dtype
+                extended |= g.resolve_extensions()
+            # Extensions choose their inputs' dtypes: one byte all-gather carries them all.
+            dtype = torch.uint8 if extended else self.all_gather_dtype
             inputs = None  # read on the all-gather stream: offloaded shards are copied to the device there
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         # inference_mode(False): a first forward under torch.inference_mode must not make the
@@ -258,24 +268,35 @@ class FSDPParamGroup:
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device, custom)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
             if world > 1:
-                schedule.before_collective("all_gather", label(members), self.all_gather_dtype, output.numel(), group, phase)
+                schedule.before_collective("all_gather", label(members), dtype, output.numel(), group, phase)
             work = collectives.all_gather(output, ag_input, group, comm.async_op, custom) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
         if world > 1:
-            comm.record_collective(phase, label(members), "all_gather", self.all_gather_dtype, output.numel(), group)
+            comm.record_collective(phase, label(members), "all_gather", dtype, output.numel(), group)
         what = f"the all_gather of '{label(members)}' ({phase})"
         gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=what), world, members)
         for g in members:
             g._all_gather = gather
 
+    def resolve_extensions(self) -> bool:
+        """Whether any parameter all-gathers through an extension this time (extension.py)."""
+        return any([p.resolve_extension() for p in self.params])
+
     def _all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        if dtype == torch.uint8:  # several dtypes: each shard cast, then moved as bytes
-            return [p.all_gather_input_bytes() for p in self.params]
-        return [p.all_gather_input() for p in self.params]  # one dtype: copy-in casts in place
+        if dtype != torch.uint8:  # one dtype: copy-in casts each shard in place
+            return [p.all_gather_input() for p in self.params]
+        # Several dtypes, or extensions: each parameter's inputs moved as bytes.
+        inputs: list[torch.Tensor] = []
+        for p in self.params:
+            if p.uses_extension:
+                inputs.extend(p.extension_inputs())
+            else:
+                inputs.append(p.all_gather_input_bytes())
+        return inputs
 
     def row_bytes(self) -> int:
         """Bytes this group puts in each rank's row of a full all-gather."""
-        return sum(p.shard_numel * p.param_dtype.itemsize for p in self.params)
+        return sum(p.row_bytes() for p in self.params)
 
     def unsharded_bytes(self) -> int:
         """Bytes of this group's unsharded parameters (padding included)."""
@@ -290,23 +311,22 @@ class FSDPParamGroup:
         with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad(), torch.inference_mode(False):
             gather.finish()
 
-    def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[torch.Tensor]]) -> None:
-        """Fill this group's unsharded parameters from its ``(W, slots * row_bytes)`` columns of an
-        all-gather output (``slots`` > 1 when gathering back from reshard_after_forward=int shares)."""
+    def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[list[torch.Tensor]]]) -> None:
+        """Fill this group's unsharded parameters from its ``(W', slots * row_bytes)`` columns of
+        an all-gather output (``slots`` > 1 when gathering back reshard_after_forward=int shares
+        from ``W' = W / slots`` ranks)."""
         world = rows.shape[0]
-        if slots == 1 and all(t is not None for t in targets):
-            outs = [t.view(torch.uint8).view(world, -1) for t in targets]  # type: ignore[union-attr]
-            torch.split_with_sizes_copy(rows, [o.shape[1] for o in outs], dim=1, out=outs)
-            return
         offset = 0
         for p, target in zip(self.params, targets):
-            nbytes = slots * p.shard_numel * p.param_dtype.itemsize
-            src = rows[:, offset : offset + nbytes]
-            offset += nbytes
-            if target is not None:
-                target.view(torch.uint8).view(world, -1).copy_(src)
-            else:
-                p.copy_out(src.view(p.param_dtype))
+            if target is None:  # sharded on another dim: copy_out moves the chunks into place
+                nbytes = slots * p.shard_numel * p.param_dtype.itemsize
+                p.copy_out(rows[:, offset : offset + nbytes].view(p.param_dtype))
+                offset += nbytes
+                continue
+            for t in target:
+                nbytes = slots * t.shape[1]
+                t.view(world, -1).copy_(rows[:, offset : offset + nbytes])
+                offset += nbytes
 
     def show_form(self, unsharded: bool) -> None:
         """While unsharded, point the modules at one form without changing state (state dicts)."""

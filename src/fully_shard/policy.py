@@ -95,7 +95,10 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
 
 
 def as_offload_policy(policy: object) -> OffloadPolicy:
-    """Ours as is; PyTorch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` converted; else refused."""
+    """Ours as is; PyTorch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` converted; ``None`` means no
+    offload (PyTorch's ``fully_shard`` treats it so); else refused."""
+    if policy is None:
+        return OffloadPolicy()
     if isinstance(policy, OffloadPolicy):
         return policy
     if _is_torch_policy(policy, "CPUOffloadPolicy"):

@@ -1,0 +1,200 @@
+"""All-gather extensions: a parameter chooses what its all-gather moves and how its unsharded
+form is rebuilt from what arrived (PyTorch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
+protocol).
+
+Where the hooks come from, checked at every all-gather (one ``getattr`` per parameter):
+
+* the sharded local tensor defines both methods: a tensor subclass (torchao's float8 or NF4
+  weights) or methods set on the tensor instance;
+* otherwise a codec set with ``FSDPModule.set_all_gather_codec`` (e.g. `fully_shard.quant.Int8AllGather`),
+  called with the local tensor as its first argument.
+
+The protocol, per parameter and all-gather:
+
+* ``pre(mesh)`` (older signature) or ``pre(mesh, outer_size, outer_stride, module, mp_policy)``
+  returns ``(inputs, metadata)``: the tensors to all-gather (any number, any dtype) and anything
+  the rebuild needs. ``mesh`` is the 1-D shard mesh; ``outer_size`` the unsharded shape.
+* Each input is gathered over the shard ranks; its output is ``(W * size[0], *size[1:])``. The
+  outputs live as long as the parameter: resharding frees their memory (storage resized to 0)
+  and the next unshard writes into the same tensors.
+* ``post(outputs, metadata, param_dtype)`` the first time returns ``(unsharded, to_free)``; the
+  unsharded parameter is its first ``outer_size`` elements. Later all-gathers call
+  ``post(outputs, metadata, param_dtype, out=unsharded_param)`` to rebuild in place, after giving
+  ``to_free`` its memory back; resharding frees it with the outputs.
+
+Uneven shards: every rank must send the same sizes, so on a rank whose shard is short (padding
+rows) each input's dim 0 must be the padded row count. PyTorch requires the extension to pad;
+here an input whose dim 0 is this rank's own row count is padded with zero rows for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+_PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+EXTENSION_METHODS = (_PRE, _POST)
+_ARITY: dict[Any, int] = {}  # the pre hook's function -> its parameter count (inspect is slow)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The two calls of one parameter's extension, bound to its local shard."""
+
+    pre: Callable[..., Any]
+    post: Callable[..., Any]
+    full_signature: bool  # pre takes (mesh, outer_size, outer_stride, module, mp_policy)
+
+
+def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
+    """The extension of a parameter whose local shard is ``local``: its own methods, else the
+    codec's, else None (a plain all-gather)."""
+    pre, post = getattr(local, _PRE, None), getattr(local, _POST, None)
+    if pre is None and post is None:
+        if codec is None:
+            return None
+        return Hooks(_bind(codec.pre_all_gather, local), _bind(codec.post_all_gather, local), True)
+    if pre is None or post is None:
+        raise TypeError(
+            f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} but not "
+            f"{_POST if pre else _PRE}. An all-gather extension needs both: one chooses what is gathered, the other "
+            "rebuilds the unsharded parameter from it. Fix: define the missing method (PyTorch's signatures)."
+        )
+    key = getattr(pre, "__func__", pre)
+    arity = _ARITY.get(key)
+    if arity is None:
+        arity = _ARITY[key] = len(inspect.signature(pre).parameters)
+    if arity not in (1, 5):
+        raise TypeError(
+            f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
+            f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, mp_policy). "
+            "Fix: use one of these two signatures."
+        )
+    return Hooks(pre, post, arity == 5)
+
+
+def _bind(fn: Callable[..., Any], local: torch.Tensor) -> Callable[..., Any]:
+    def bound(*args: Any, **kwargs: Any) -> Any:
+        return fn(local, *args, **kwargs)
+
+    return bound
+
+
+@dataclass(eq=False)
+class ExtensionState:
+    """What one parameter's extension keeps between the calls: the hooks of the all-gather in
+    progress, the sizes and dtypes its inputs had, the metadata, the outputs, what to free."""
+
+    hooks: Optional[Hooks] = None
+    sizes: list[torch.Size] = field(default_factory=list)
+    dtypes: list[torch.dtype] = field(default_factory=list)
+    metadata: Any = None
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    to_free: tuple[torch.Tensor, ...] = ()
+
+    def row_bytes(self) -> int:
+        """Bytes this parameter puts in each rank's row (exact once it has been gathered)."""
+        return sum(_numel(s) * d.itemsize for s, d in zip(self.sizes, self.dtypes))
+
+    def inputs(
+        self, hooks: Hooks, local: torch.Tensor, *, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
+        module: torch.nn.Module, mp_policy: Any, local_rows: int, rows: int, fqn: str,
+    ) -> list[torch.Tensor]:
+        """Call the pre hook and check (pad, where allowed) what it returned."""
+        if hooks.full_signature:
+            returned = hooks.pre(mesh, outer_size, outer_stride, module, mp_policy)
+        else:
+            returned = hooks.pre(mesh)
+        inputs, self.metadata = _unpack(returned, fqn)
+        out = [_pad_rows(t, local_rows, rows, fqn) for t in inputs]
+        self.hooks = hooks
+        self.sizes = [t.shape for t in out]
+        self.dtypes = [t.dtype for t in out]
+        return out
+
+    def alloc_outputs(self, world: int, device: torch.device) -> list[torch.Tensor]:
+        """The outputs with their memory back, as ``(world, bytes per rank)`` views."""
+        numels = [world * _numel(s) for s in self.sizes]
+        same = len(self.outputs) == len(numels) and all(
+            o.numel() == n and o.dtype == d for o, n, d in zip(self.outputs, numels, self.dtypes)
+        )
+        if not same:  # first gather, or the extension changed what it sends: new outputs
+            self.outputs = [torch.empty(n, dtype=d, device=device) for n, d in zip(numels, self.dtypes)]
+        for o in self.outputs:
+            _alloc(o)
+        return [o.view(torch.uint8).view(world, -1) for o in self.outputs]
+
+    def unflattened_outputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view(-1, *s[1:]) for o, s in zip(self.outputs, self.sizes))
+
+    def rebuild_first(self, param_dtype: torch.dtype, fqn: str) -> torch.Tensor:
+        """First all-gather: the post hook builds the unsharded tensor."""
+        assert self.hooks is not None
+        returned = self.hooks.post(self.unflattened_outputs(), self.metadata, param_dtype)
+        if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and isinstance(returned[0], torch.Tensor)):
+            raise TypeError(
+                f"parameter {fqn}: {_POST} (called without out=) returned {type(returned).__name__}; it must return "
+                "(unsharded_tensor, tensors_to_free). Fix: return the rebuilt tensor and the tensors whose memory "
+                "fully_shard may free at reshard."
+            )
+        self.to_free = tuple(returned[1])
+        return returned[0]
+
+    def rebuild_into(self, out: torch.Tensor, param_dtype: torch.dtype) -> None:
+        """Later all-gathers: give ``to_free`` its memory back, then rebuild in place."""
+        assert self.hooks is not None
+        for t in self.to_free:
+            _alloc(t)
+        self.hooks.post(self.unflattened_outputs(), self.metadata, param_dtype, out=out)
+
+    def gathered_rows(self, first: int, count: int, world: int) -> list[torch.Tensor]:
+        """Shard-world rows ``[first, first + count)`` of each output, as bytes."""
+        return [o.view(torch.uint8).view(world, -1)[first : first + count].reshape(-1) for o in self.outputs]
+
+    def free(self) -> None:
+        for t in (*self.outputs, *self.to_free):
+            t.untyped_storage().resize_(0)
+
+
+def _unpack(returned: Any, fqn: str) -> tuple[Sequence[torch.Tensor], Any]:
+    if isinstance(returned, (tuple, list)) and len(returned) == 2:
+        inputs, metadata = returned
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(t, torch.Tensor) for t in inputs):
+            return inputs, metadata
+    raise TypeError(
+        f"parameter {fqn}: {_PRE} returned {type(returned).__name__}; it must return (inputs, metadata) with "
+        "inputs a non-empty tuple of tensors. Fix: return e.g. ((data, scales), None)."
+    )
+
+
+def _pad_rows(t: torch.Tensor, local_rows: int, rows: int, fqn: str) -> torch.Tensor:
+    if local_rows == rows or t.ndim == 0 or t.shape[0] == rows:
+        return t
+    if t.shape[0] == local_rows:  # this rank's rows only: pad to what every rank sends
+        padded = t.new_zeros((rows, *t.shape[1:]))
+        padded[:local_rows].copy_(t)
+        return padded
+    raise ValueError(
+        f"parameter {fqn}: {_PRE} returned an input of shape {tuple(t.shape)} on a rank holding {local_rows} of "
+        f"{rows} padded rows. Every rank must send the same sizes, so each input's dim 0 must be the padded row "
+        f"count {rows} (or this rank's {local_rows}, which fully_shard pads). Fix: return inputs with {rows} rows."
+    )
+
+
+def _alloc(t: torch.Tensor) -> None:
+    nbytes = (t.storage_offset() + t.numel()) * t.element_size()
+    storage = t.untyped_storage()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
