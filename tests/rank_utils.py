@@ -24,8 +24,13 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
 def _unwrapped(name: str) -> str:
+    """The parameter's plain name: wrapper prefixes dropped, and a parametrized parameter
+    (``torch.nn.utils.parametrize``: ``m.parametrizations.weight.original``) named ``m.weight``."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
+    if name.endswith(".original") and ".parametrizations." in name:
+        module, _, param = name[: -len(".original")].rpartition(".parametrizations.")
+        name = f"{module}.{param}"
     return name
 
 

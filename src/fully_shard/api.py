@@ -276,6 +276,48 @@ class FSDPModule:
         _check_comm("set_custom_reduce_scatter", comm)
         self._own_group("set_custom_reduce_scatter").custom_reduce_scatter = comm
 
+    def set_all_gather_codec(
+        self, codec: Any, *, params: Optional[Callable[[str, nn.Parameter], bool]] = None, recurse: bool = True
+    ) -> list[str]:
+        """All-gather chosen parameters through ``codec`` (e.g. `fully_shard.quant.Int8AllGather`),
+        or back through the plain all-gather with ``None``. Returns the names chosen.
+
+        A codec is an all-gather extension for plain parameters: ``codec.pre_all_gather(shard,
+        mesh, outer_size, outer_stride, module, mp_policy)`` returns ``(inputs, metadata)`` and
+        ``codec.post_all_gather(shard, outputs, metadata, param_dtype, out=None)`` rebuilds the
+        unsharded parameter (PyTorch's ``fsdp_pre/post_all_gather`` protocol, with the shard passed
+        first; see docs/extensions.md). A parameter whose local tensor defines that protocol itself
+        keeps its own. ``params(name, param) -> bool`` chooses (names relative to this module);
+        the default chooses floating-point parameters of 2 or more dims. ``recurse``: every
+        ``fully_shard`` module under this one too.
+        """
+        if codec is not None and not (callable(getattr(codec, "pre_all_gather", None))
+                                      and callable(getattr(codec, "post_all_gather", None))):
+            raise TypeError(
+                f"set_all_gather_codec expects a codec with pre_all_gather and post_all_gather methods (or None), got "
+                f"{type(codec).__name__}. Fix: pass e.g. fully_shard.quant.Int8AllGather()."
+            )
+        if params is not None and not callable(params):
+            raise TypeError(f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}.")
+        choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
+        prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
+        chosen: list[tuple[Any, str]] = []
+        for state in self._fsdp_states(recurse):
+            for fp in state.group.params if state.group is not None else ():
+                name = prefix.get(id(fp.sharded_param), fp.fqn)
+                if choose(name, fp.sharded_param):
+                    chosen.append((fp, name))
+        if not chosen:
+            raise ValueError(
+                f"set_all_gather_codec on {class_name(self)} chose no parameter: "
+                + ("the params filter accepted none of them. " if params is not None else
+                   "no floating-point parameter with 2 or more dims is managed here. ")
+                + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
+            )
+        for fp, _ in chosen:
+            fp.codec = codec
+        return [name for _, name in chosen]
+
     def _own_group(self, method: str) -> FSDPParamGroup:
         group = self._get_fsdp_state().group
         if group is None:
