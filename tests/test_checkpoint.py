@@ -17,7 +17,8 @@ STEPS_AFTER = 3
 
 def _sharded_llama(seed: int = 0, layout: str = "fsdp"):
     """``fsdp``: 1-D mesh, dim 0. ``hsdp``: (2, W/2) replicate x shard mesh. ``dim1``: 1-D mesh,
-    matrices sharded on dim 1 (uneven)."""
+    matrices sharded on dim 1 (uneven). ``3d:R,S,T``: torchtitan's layout, blocks tensor-parallel
+    over ``tp`` and every call given the full (dp_replicate, dp_shard, tp) mesh with dp_mesh_dims."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
@@ -26,6 +27,8 @@ def _sharded_llama(seed: int = 0, layout: str = "fsdp"):
     torch.manual_seed(seed)
     model = llama64(LlamaConfig(n_layers=2))
     w = world()[1]
+    if layout.startswith("3d:"):
+        return _three_d(model, tuple(int(n) for n in layout[3:].split(",")))
     mesh = init_device_mesh("cpu", (2, w // 2) if w > 1 else (1, 1)) if layout == "hsdp" else cpu_mesh()
     placement = (lambda p: Shard(1) if p.dim() == 2 else None) if layout == "dim1" else None
     for layer in model.layers:
@@ -34,8 +37,27 @@ def _sharded_llama(seed: int = 0, layout: str = "fsdp"):
     return model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
 
 
+def _three_d(model, shape: tuple[int, int, int]):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fully_shard import DataParallelMeshDims, fully_shard
+    from train_tp_fsdp import BLOCK_PLAN
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], BLOCK_PLAN)
+        layer.attention.n_heads //= shape[2]
+        fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    # The ranks of one tp group train on the same slice of the batch.
+    model.data_split = (mesh.get_local_rank("dp_replicate") * shape[1] + mesh.get_local_rank("dp_shard"), shape[0] * shape[1])
+    return model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
+
+
 def _step(model, opt, step: int) -> float:
-    rank, w = world()
+    rank, w = getattr(model, "data_split", None) or world()
     x, y = llama_batch(step)
     loss = _llama_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])
     loss.backward()
@@ -105,10 +127,12 @@ def test_resume_at_any_world_size(ranks, tmp_path, reference, save_world, load_w
 
 @pytest.mark.parametrize(
     "save_world,save_layout,load_world,load_layout",
-    [(4, "hsdp", 2, "dim1"), (2, "dim1", 4, "hsdp"), (4, "hsdp", 1, "fsdp"), (1, "fsdp", 4, "dim1")],
+    [(4, "hsdp", 2, "dim1"), (2, "dim1", 4, "hsdp"), (4, "hsdp", 1, "fsdp"), (1, "fsdp", 4, "dim1"),
+     (4, "3d:1,2,2", 4, "3d:2,1,2"), (4, "3d:2,2,1", 2, "fsdp"), (1, "fsdp", 4, "3d:1,2,2")],
 )
 def test_resume_across_layouts(ranks, tmp_path, reference, save_world, save_layout, load_world, load_layout):
-    """Save under one layout (HSDP, dim-1 shards, plain) and world size, resume under another."""
+    """Save under one layout (HSDP, dim-1 shards, plain, 3-D HSDP x TP through dp_mesh_dims) and
+    world size, resume under another."""
     ref_losses, ref_params = reference
     ranks(save_world).run(_train_and_save, str(tmp_path), save_layout)
     results = ranks(load_world).run(_load_and_train, str(tmp_path), load_layout)

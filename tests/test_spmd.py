@@ -36,6 +36,10 @@ def _same_as_submesh(kind: str) -> dict:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
         _shard_blocks(a, mesh=mesh, dp_mesh_dims=TorchDims(shard="shard", replicate="rep"))  # PyTorch's object
         _shard_blocks(b, mesh=mesh)
+    elif kind == "hsdp_tuples":  # (r1, r2) replicas x (s1, s2) shards, each side flattened: 2 x 2
+        mesh = init_device_mesh("cpu", (2, 1, 1, 2), mesh_dim_names=("r1", "r2", "s1", "s2"))
+        _shard_blocks(a, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("s1", "s2"), replicate=("r1", "r2")))
+        _shard_blocks(b, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")))
     else:  # two dims flattened into one shard dim of 4 ranks
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("x", "y"))
         _shard_blocks(a, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("x", "y")))
@@ -48,13 +52,13 @@ def _same_as_submesh(kind: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "flattened"])
+@pytest.mark.parametrize("kind", ["hsdp", "hsdp_tuples", "flattened"])
 def test_dp_mesh_dims_equals_the_submesh(ranks, kind):
     results = ranks(4).run(_same_as_submesh, kind)
     check(results, f"dp_mesh_dims {kind} vs single process (float64)")
     for r in results:
         assert r["vs_submesh"] == 0.0, r
-        expected = [(Replicate(), Shard(0))] if kind == "hsdp" else [(Shard(0),)]
+        expected = [(Shard(0),)] if kind == "flattened" else [(Replicate(), Shard(0))]
         assert r["placements"] == expected, r
 
 

@@ -66,6 +66,14 @@ def _dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return sub if sub.ndim == 1 else sub._flatten("_".join(names))
 
 
+def _flat_name(mesh: DeviceMesh, names: tuple[str, ...]) -> str:
+    """One dim's name for ``names``: itself, or the name of their flattening (registered on the
+    full mesh, so it can be sliced together with another dim)."""
+    if len(names) == 1:
+        return names[0]
+    return _dim(mesh, names).mesh_dim_names[0]  # type: ignore[index]
+
+
 def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[DeviceMesh, tuple[str, ...]]:
     """The data-parallel mesh to shard over, and the names of the full mesh's other dims."""
     if not isinstance(mesh, DeviceMesh) or not mesh.mesh_dim_names:
@@ -83,9 +91,15 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
         )
     others = tuple(n for n in names if n not in dp)
     if dims.replicate_names and dims.shard_names:
-        if len(dims.replicate_names) > 1 or len(dims.shard_names) > 1:
-            raise ValueError("dp_mesh_dims: HSDP with flattened (tuple) dims is not supported yet; name one dim each.")
-        return mesh[dims.replicate_names[0], dims.shard_names[0]], others
+        # HSDP: each side flattened into one dim when it names several (e.g. shard=("dp_shard", "cp")).
+        order = [names.index(n) for n in dp]
+        if order != sorted(order):
+            raise ValueError(
+                f"dp_mesh_dims: HSDP needs the replicate dims before the shard dims in the mesh's order, each side's "
+                f"dims in order; got replicate={list(dims.replicate_names)}, shard={list(dims.shard_names)} on a mesh "
+                f"with dims {list(names)}. Fix: build the mesh with its dims in that order."
+            )
+        return mesh[_flat_name(mesh, dims.replicate_names), _flat_name(mesh, dims.shard_names)], others
     if dims.replicate_names:
         raise ValueError(
             "dp_mesh_dims with replicate= only is data parallelism without sharding: use replicate(module, "
