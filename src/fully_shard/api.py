@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from .lifecycle import Event
-from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_dim_for, warn_uneven_complex
+from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_choice_for, warn_uneven_complex
 from .mesh import check_reshard_after_forward, mesh_info, replicate_info
 from .param import FSDPParam
 from .param_group import FSDPParamGroup
@@ -110,8 +110,7 @@ class FSDPModule:
         place; then give the new local shard padded storage the all-gather can read."""
         self.reshard()
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
-        group = self._get_fsdp_state().group
-        if group is not None:
+        for group in self._get_fsdp_state().own:
             with torch.no_grad():
                 group.sync_params(adopt_device=True)
         return result
@@ -158,8 +157,8 @@ class FSDPModule:
                 f"1.0 sums them), got {factor!r}: 0, a negative, inf or NaN would zero, flip or poison every gradient."
             )
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.gradient_divide_factor = float(factor)
+            for g in state.own:
+                g.gradient_divide_factor = float(factor)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters within the shard group but defers the all-reduce across
@@ -167,8 +166,8 @@ class FSDPModule:
         them once (gradient accumulation with less inter-replica traffic). No effect on a 1-D mesh."""
         for state in self._fsdp_states(recurse):
             value = _check_bool("requires_all_reduce", requires_all_reduce)
-            if state.group is not None:
-                state.group.requires_all_reduce = value
+            for g in state.own:
+                g.requires_all_reduce = value
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """``True``: every gradient reduction is a SUM collective, with the division done by us
@@ -178,8 +177,8 @@ class FSDPModule:
         show the choice (``CollectiveRecord.reduce_op`` / ``pre_divide`` / ``post_divide``)."""
         value = _check_bool("enable", enable)
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.force_sum_reduction = value
+            for g in state.own:
+                g.force_sum_reduction = value
 
     def set_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Consecutive sharded modules under it whose unsharded parameters add up
@@ -239,8 +238,8 @@ class FSDPModule:
         when every rank uses the same parameters, and bit for bit PyTorch's at any world size."""
         value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for state in self._fsdp_states(recurse):
-            if state.group is not None:
-                state.group.reduce_unused = value
+            for g in state.own:
+                g.reduce_unused = value
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None) -> None:
         """Call ``hook(reduce_output)`` on this module's every gradient reduction, after the
@@ -252,29 +251,31 @@ class FSDPModule:
         if not callable(hook):
             raise TypeError(f"set_all_reduce_hook expects a callable hook(reduce_output), got {type(hook).__name__}.")
         state = self._get_fsdp_state()
-        if state.group is None:
-            raise ValueError(f"set_all_reduce_hook on {class_name(self)}, which manages no parameters of its own.")
+        groups = self._own_groups("set_all_reduce_hook")
         if stream is not None:
             if state.info.device.type == "cpu":
                 raise ValueError("set_all_reduce_hook(stream=...) needs an accelerator mesh; on CPU there are no streams.")
-            if state.info.is_hsdp:
+            if any(g.info.is_hsdp for g in groups):
                 raise ValueError("set_all_reduce_hook(stream=...): with HSDP the hook runs where the all-reduce ran; drop stream.")
-        state.group.all_reduce_hook = hook
-        state.group.all_reduce_hook_stream = stream
+        for g in groups:
+            g.all_reduce_hook = hook
+            g.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather`` interface:
         ``comm.allocate(size, dtype=, device=)`` makes the output buffer, ``comm(output_tensor=,
         input_tensor=, group=, async_op=)`` runs the collective and returns its work or None)."""
         _check_comm("set_custom_all_gather", comm)
-        self._own_group("set_custom_all_gather").custom_all_gather = comm
+        for g in self._own_groups("set_custom_all_gather"):
+            g.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``
         interface: ``comm.allocate(...)`` makes the input and output buffers, ``comm(output_tensor=,
         input_tensor=, group=, op=, async_op=)`` runs the collective)."""
         _check_comm("set_custom_reduce_scatter", comm)
-        self._own_group("set_custom_reduce_scatter").custom_reduce_scatter = comm
+        for g in self._own_groups("set_custom_reduce_scatter"):
+            g.custom_reduce_scatter = comm
 
     def set_all_gather_codec(
         self, codec: Any, *, params: Optional[Callable[[str, nn.Parameter], bool]] = None, recurse: bool = True
@@ -303,7 +304,7 @@ class FSDPModule:
         prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
         chosen: list[tuple[Any, str]] = []
         for state in self._fsdp_states(recurse):
-            for fp in state.group.params if state.group is not None else ():
+            for fp in (p for g in state.own for p in g.params):
                 name = prefix.get(id(fp.sharded_param), fp.fqn)
                 if choose(name, fp.sharded_param):
                     chosen.append((fp, name))
@@ -318,11 +319,12 @@ class FSDPModule:
             fp.codec = codec
         return [name for _, name in chosen]
 
-    def _own_group(self, method: str) -> FSDPParamGroup:
-        group = self._get_fsdp_state().group
-        if group is None:
+    def _own_groups(self, method: str) -> list[FSDPParamGroup]:
+        """This call's groups (one per mesh), refusing a module that manages no parameters."""
+        groups = self._get_fsdp_state().own
+        if not groups:
             raise ValueError(f"{method} on {class_name(self)}, which manages no parameters of its own.")
-        return group
+        return groups
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
@@ -345,8 +347,8 @@ class FSDPModule:
         only sees the sharded parameters: call ``model.zero_grad()`` to drop an accumulation.)"""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for state in self._fsdp_states(recurse=True):
-            if state.group is not None:
-                state.group.discard_unsharded_grads()
+            for g in state.own:
+                g.discard_unsharded_grads()
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard every module under this root and
@@ -459,7 +461,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: Any = OffloadPolicy(),  # a policy, {name pattern: policy}, or param -> policy
     ignored_params: Optional[set[nn.Parameter]] = None,
-    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
     dp_mesh_dims: Any = None,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Shard ``module``'s parameters across the ranks of ``mesh`` (dim-0, one group per call).
@@ -485,6 +487,9 @@ def fully_shard(
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
         shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
             (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
+            ``ShardPlacement(Shard(d) or None, mesh=other)`` also puts it on another mesh (MoE
+            experts on an expert-parallel mesh): the call's parameters on each mesh form one group
+            that communicates over that mesh (PyTorch's ``ShardPlacementResult`` is read too).
         dp_mesh_dims: with ``mesh`` a full SPMD mesh (data-parallel and e.g. tensor-parallel dims),
             `DataParallelMeshDims(shard=..., replicate=...)` names the data-parallel dims;
             parameters already DTensors on that mesh keep their other dims' placements (spmd.py).
@@ -541,29 +546,63 @@ def _apply(
     choose_offload = offload_chooser(offload_policy)
     names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
     found = find_params(modules, names, _ignored_ids(ignored_params))
-    check_params(found.own, info)
-    shard_dims = [shard_dim_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
+    choices = [shard_choice_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
+    shard_dims = [dim for dim, _ in choices]
+    infos = _param_meshes(info, [mesh for _, mesh in choices], reshard_after_forward)
+    for one, param_info in zip(found.own, infos):
+        check_params([one], param_info)
     warn_uneven_complex(found.own, shard_dims, info)
     offloads = [choose_offload(param, places[0].fqn) for param, places in found.own]  # a bad choice raises here
     # Every check has passed; from here on nothing raises on user input.
     install_optimizer_check()
     register_ignored(ignored_params)
     params = [
-        FSDPParam(param, places, info, mp_policy, dim, offload)
-        for (param, places), dim, offload in zip(found.own, shard_dims, offloads)
+        FSDPParam(param, places, param_info, mp_policy, dim, offload)
+        for (param, places), dim, offload, param_info in zip(found.own, shard_dims, offloads, infos)
     ]
     for (original, _), managed in zip(found.own, params):
         register_original(original, managed)
-    group = FSDPParamGroup(params, info, fqn="") if params else None
+    # One group per mesh, the call's own mesh first: each communicates over its own ranks.
+    by_mesh: dict[int, list[FSDPParam]] = {id(info): []}
+    for p in params:
+        by_mesh.setdefault(id(p.info), []).append(p)
+    own = [FSDPParamGroup(ps, ps[0].info, fqn="") for ps in by_mesh.values() if ps]
+    group = own[0] if own and own[0].info is info else None
+    extra = own[1:] if group is not None else own
     borrowed: list[FSDPParamGroup] = []
     for owner, places in found.borrowed:  # tied to a parameter an earlier call manages
         owner.add_places(places)
         if owner.group is not None and owner.group not in borrowed:
             borrowed.append(owner.group)
     move_buffers(modules, info.device)
-    state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed)
+    state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     for m in modules:
         _install(m, state, make_class)
+
+
+def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_forward: Any) -> list[Any]:
+    """Each parameter's mesh info: the call's, or the one ``shard_placement_fn`` chose (one
+    `MeshInfo` per distinct mesh, so its parameters form one group), checked against the call."""
+    made: dict[int, Any] = {}
+    out = []
+    for mesh in meshes:
+        if mesh is None or mesh is info.mesh:
+            out.append(info)
+            continue
+        if id(mesh) not in made:
+            other = mesh_info(mesh)
+            if other.device.type != info.device.type:
+                raise ValueError(
+                    f"shard_placement_fn chose a mesh on {other.device.type}, but fully_shard's mesh computes on "
+                    f"{info.device.type}. Fix: build every mesh of one call on the same device type."
+                )
+            if info.replicate_only:
+                raise ValueError("replicate() takes no per-parameter meshes; use fully_shard for those parameters.")
+            if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+                check_reshard_after_forward(reshard_after_forward, other)
+            made[id(mesh)] = other
+        out.append(made[id(mesh)])
+    return out
 
 
 class _OutsideCompile:

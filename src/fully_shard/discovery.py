@@ -6,7 +6,7 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import warnings
 
@@ -180,25 +180,48 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
                     module._buffers[name] = buffer.to(device)
 
 
-def shard_dim_for(
-    param: nn.Parameter, fqn: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]]
-) -> int:
-    """The dim ``shard_placement_fn`` chose for ``param`` (0 without one), checked."""
+@dataclass(frozen=True)
+class ShardPlacement:
+    """What ``shard_placement_fn`` may return to put a parameter on a mesh of its own (e.g. MoE
+    experts on an expert-parallel mesh): ``placement`` (``Shard(d)``, or ``None`` for dim 0) and
+    the ``mesh`` to shard it over (1-D, or 2-D ``(replicate, shard)`` for HSDP). Parameters of one
+    ``fully_shard`` call on one mesh communicate together. PyTorch's ``ShardPlacementResult``
+    (``placement``, ``mesh_info``) is read the same way."""
+
+    placement: Optional[Shard]
+    mesh: Any
+
+
+def shard_choice_for(
+    param: nn.Parameter, fqn: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]
+) -> tuple[int, Any]:
+    """The dim ``shard_placement_fn`` chose for ``param`` (0 without one), checked, and the mesh
+    it chose (``None``: the call's own)."""
     if shard_placement_fn is None:
-        return 0
-    placement = shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if type(placement) is not Shard:
+        return 0, None
+    choice = shard_placement_fn(param)
+    mesh = None
+    if isinstance(choice, ShardPlacement):
+        choice, mesh = choice.placement, choice.mesh
+    elif type(choice).__name__ == "ShardPlacementResult" and hasattr(choice, "mesh_info"):  # PyTorch's
+        choice, mesh = choice.placement, choice.mesh_info.mesh  # type: ignore[attr-defined]
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise ValueError(
-            f"shard_placement_fn returned {placement!r} for parameter '{fqn}'; it must return Shard(dim) "
-            "or None (None shards on dim 0)."
+            f"shard_placement_fn chose {mesh!r} as the mesh of parameter '{fqn}'; it must be a DeviceMesh (1-D, or "
+            "2-D (replicate, shard) for HSDP). Fix: return ShardPlacement(Shard(0), mesh=...)."
+        )
+    if choice is None:
+        return 0, mesh
+    if type(choice) is not Shard:
+        raise ValueError(
+            f"shard_placement_fn returned {choice!r} for parameter '{fqn}'; it must return Shard(dim), None (None "
+            "shards on dim 0), or ShardPlacement(Shard(dim) or None, mesh=...) for a mesh of its own."
         )
     ndim = param.dim()
-    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    dim = choice.dim + ndim if choice.dim < 0 else choice.dim
     if not 0 <= dim < ndim:
         raise ValueError(
-            f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' of shape "
+            f"shard_placement_fn returned Shard({choice.dim}) for parameter '{fqn}' of shape "
             f"{tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]."
         )
-    return dim
+    return dim, mesh

@@ -64,10 +64,11 @@ class RootContext:
         lines = [f"root {class_name(self.root.modules[0])}: iteration {self.phase.name}"
                  + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")]
         for s in self.states:
-            g = s.group
-            group = "" if g is None else f", group {g.sharded_state.name}" + (
-                ", all-gather in flight" if g._all_gather is not None else "")
-            lines.append(f"  module '{s.fqn or '<root>'}': {s.phase.name}{group}")
+            groups = "".join(
+                f", group {g.sharded_state.name}" + (", all-gather in flight" if g._all_gather is not None else "")
+                for g in s.own
+            )
+            lines.append(f"  module '{s.fqn or '<root>'}': {s.phase.name}{groups}")
         for b in self.buckets:
             if b.holds_grads:
                 lines.append(f"  bucket {b.name}: gradients waiting for its reduce-scatter")
@@ -77,11 +78,11 @@ class RootContext:
         """Turn the finite check (finite.py) on or off for every group under this root."""
         setting = self.root.settings.grad_finite_check
         mode = mode_from_env() if setting == "env" else None if setting == "off" else setting
-        params = [p for s in self.states if s.group is not None for p in s.group.params]
+        params = [p for s in self.states for g in s.own for p in g.params]
         self.finite = FiniteCheck(mode, params, self.root.info.device) if mode is not None else None
         for s in self.states:
-            if s.group is not None:
-                s.group.grad_observer = self.finite.observe if self.finite is not None else None
+            for g in s.own:
+                g.grad_observer = self.finite.observe if self.finite is not None else None
 
     def plan_buckets(self) -> None:
         """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
@@ -183,8 +184,8 @@ class RootContext:
                 self.finish_pending_reduce()
                 self.post_forward_order.clear()
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
-                    if state.group is not None:
-                        state.group.wait_for_offloaded_grads()
+                    for g in state.own:
+                        g.wait_for_offloaded_grads()
                 if self.finite is not None and self.finite.conclude() and self.finite.mode == "raise":
                     raise NonFiniteGradients(self.finite.report)
 
@@ -300,13 +301,17 @@ class FSDPState:
         reshard_after_forward: Union[bool, int, None],
         mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
         borrowed: Sequence[FSDPParamGroup] = (),
+        extra: Sequence[FSDPParamGroup] = (),
     ) -> None:
         self.modules = modules
+        # The group on the call's mesh (None if no parameter stayed on it), and every group this
+        # call owns: that one and one per other mesh shard_placement_fn chose (MoE experts).
         self.group = group
+        self.own = ([group] if group is not None else []) + list(extra)
         # Groups of earlier calls whose parameters these modules use too (tied weights): unsharded
         # around this module's forward and backward; their owner reduces and reshards them.
         self.borrowed = list(borrowed)
-        self.groups = ([group] if group is not None else []) + self.borrowed
+        self.groups = self.own + self.borrowed
         self.info = info
         self.mp_policy = mp_policy
         self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
@@ -373,18 +378,18 @@ class FSDPState:
         self.is_root = is_root
         self.fqn = fqn
         self.resolve_reshard_after_forward()
-        if self.group is not None:
-            self.group.comm = ctx.comm
+        for g in self.own:
+            g.comm = ctx.comm
             if _is_int_setting(self.reshard_after_forward):
-                self.group.post_forward = ctx.post_forward_group(self.info, int(self.reshard_after_forward))
-            self.group.fqn = fqn
+                g.post_forward = ctx.post_forward_group(g.info, int(self.reshard_after_forward))
+            g.fqn = fqn
 
     def may_share_collectives(self) -> bool:
         """Whether this module's group may join a bucket at all (see bucket.py): not the root's
         (gathered first, kept through forward), not offloaded, not tensor-parallel."""
         group = self.group
         return (
-            group is not None and not self.is_root and not self.borrowed
+            group is not None and len(self.own) == 1 and not self.is_root and not self.borrowed
             and not any(p.offload or p.tp is not None for p in group.params)
         )
 
@@ -395,7 +400,7 @@ class FSDPState:
         return (
             self.reshard_after_forward is True and s.reshard_after_backward and s.unshard_in_backward
             and s.forward_prefetch is None and s.backward_prefetch is None
-            and (self.group is None or self.group.communicates_plainly())
+            and all(g.communicates_plainly() for g in self.own)
         )
 
     def resolve_reshard_after_forward(self) -> None:
@@ -444,7 +449,6 @@ class FSDPState:
         return result
 
     def unshard_for_forward(self, args: tuple, kwargs: dict, after: Optional[torch.Event]) -> tuple[tuple, dict]:
-        group = self.group
         for method, targets in (("set_modules_to_forward_prefetch", self.settings.forward_prefetch),
                                 ("set_modules_to_backward_prefetch", self.settings.backward_prefetch)):
             for target in targets or ():
@@ -454,9 +458,9 @@ class FSDPState:
                 g.forward_users.add(id(self))
             self._unshard_groups("forward", after)
             for target in self.settings.forward_prefetch or ():
-                if target.group is not None:
-                    target.group.unshard("forward_prefetch")
-            if torch.is_grad_enabled() and group is not None and group.trainable:
+                for g in target.own:
+                    g.unshard("forward_prefetch")
+            if torch.is_grad_enabled() and any(g.trainable for g in self.own):
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
 
@@ -514,7 +518,7 @@ class FSDPState:
                     g.reshard()
                 elif _is_int_setting(self.reshard_after_forward) and g.post_forward is not None:
                     g.reshard_to_post_forward()
-            if grad_enabled and self.group is not None:
+            if grad_enabled and self.own:
                 self.root_context().post_forward_order.append(self)
 
     def _all_members_done(self, module: nn.Module) -> bool:
@@ -570,9 +574,10 @@ class FSDPState:
             implicit = ctx.backward_prefetch_target(self)
             explicit = self.settings.backward_prefetch
             for target in explicit if explicit is not None else [implicit] if implicit is not None else []:
-                if target.group is not None and target.settings.unshard_in_backward:
+                if target.own and target.settings.unshard_in_backward:
                     with record_function(f"FSDP::backward_prefetch {target.fqn}"):
-                        target.group.unshard("backward_prefetch")
+                        for g in target.own:
+                            g.unshard("backward_prefetch")
 
     def post_backward_signal(self) -> None:
         self._signals_pending = max(0, self._signals_pending - 1)
@@ -583,11 +588,13 @@ class FSDPState:
         self._post_backward("backward")
 
     def _post_backward(self, phase: str) -> None:
-        assert self.group is not None
-        results = self.group.post_backward(
-            phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
-            bucketed=self.follows_default_schedule(),
-        )
+        bucketed = self.follows_default_schedule()
+        results = [
+            r for g in self.own for r in g.post_backward(
+                phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
+                bucketed=bucketed,
+            )
+        ]
         self.root_context().start_reduce(results)
 
     def finish_backward(self) -> None:
@@ -601,7 +608,7 @@ class FSDPState:
         """Reduce whatever gradients the post-backward signals missed."""
         self._signals_pending = 0
         self._members_done.clear()
-        if self.group is not None:
+        if self.own:
             self._post_backward("end_of_backward")
 
     def reset(self) -> None:
@@ -613,6 +620,6 @@ class FSDPState:
         self._members_done.clear()
         for g in self.groups:
             g.forward_users.clear()
-        if self.group is not None:
-            self.group.reshard()
-            self.group.discard_unsharded_grads()
+        for g in self.own:
+            g.reshard()
+            g.discard_unsharded_grads()
