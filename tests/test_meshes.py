@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from rank_utils import cpu_mesh, max_param_diff, world
+from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
 from _parity import STEPS, TOL64, check, _mlp_loss, _train_pair, make_mlp, mlp_batch
 
 # (replicate, shard) shapes per world size: every split, the degenerate ones included.
@@ -317,3 +317,123 @@ def test_hsdp_with_tensor_parallel_on_a_3d_mesh(ranks, shape):
     for r in results:
         assert r["state_dict_diff"] <= TOL64, r
         assert r["placements"] == (Replicate(), Shard(0), Shard(1)), r  # down: rows over shard, cols over tp
+
+
+# -- per-parameter meshes (issue #12 item 6): MoE experts on an expert-parallel mesh ---------------
+
+
+class _MoE(torch.nn.Module):
+    """dense -> expert -> head. ``experts`` holds one expert per expert-parallel rank; the sharded
+    model keeps only its own (``ep`` chooses which), the reference routes each data-parallel rank's
+    samples through the expert of its ep rank."""
+
+    def __init__(self, n_experts: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = torch.nn.Linear(7, 10)
+        expert = torch.nn.Sequential(torch.nn.Linear(10, 9), torch.nn.Tanh(), torch.nn.Linear(9, 10))
+        self.experts = torch.nn.ModuleList([copy.deepcopy(expert) for _ in range(n_experts)])
+        self.head = torch.nn.Linear(10, 3)
+        self.ep = 0  # the sharded model's own expert
+        self.to(torch.float64)
+
+    def forward(self, x, route=None):
+        h = torch.relu(self.dense(x))
+        if route is None:  # sharded: this rank's samples all go to its expert
+            h = h + self.experts[self.ep](h)
+        else:  # reference: sample block i goes to expert route[i]
+            h = torch.cat([c + self.experts[e](c) for c, e in zip(h.chunk(len(route)), route)])
+        return self.head(h)
+
+
+def _moe_sharded(shard_fn, api: str, mesh, rank: int, w: int, m: int) -> "_MoE":
+    from torch.distributed.tensor import Shard
+
+    from fully_shard import ShardPlacement
+
+    model = _MoE(min(2, w))
+    model.ep = rank // m
+    expert_params = {id(p) for p in model.experts[model.ep].parameters()}
+    sub = mesh["dp_mod_ep"]
+    if api == "torch_result":  # PyTorch's own result object, with its mesh info
+        from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+        on_sub = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh=sub, shard_mesh_dim=0))
+    else:
+        on_sub = ShardPlacement(None, mesh=sub)
+    others = {p for i, e in enumerate(model.experts) if i != model.ep for p in e.parameters()}
+    for p in others:  # only this rank's expert is part of its model
+        p.requires_grad_(False)
+    shard_fn(model, mesh=init_device_mesh("cpu", (w,)), ignored_params=others,
+             shard_placement_fn=lambda p: on_sub if id(p) in expert_params else None)
+    model.set_gradient_divide_factor(float(w))
+    return model
+
+
+def _moe(api: str) -> dict:
+    """World W = ep x m: rank r is ep rank r // m; dense and head shard over all W ranks, the
+    expert over the m ranks of its ep group (``mesh["dp_mod_ep"]``), with gradients divided by W
+    (each expert sees only its group's samples of the global batch: torchtitan's setting).
+    ``api``: ours (`ShardPlacement`) or torch_result (PyTorch's ``ShardPlacementResult``).
+
+    Not compared with PyTorch's ``fully_shard`` itself: on a shard group of one rank with a divide
+    factor set and a float64 (any non-fp32/bf16) reduce dtype, torch 2.13 divides twice (pre-divide,
+    then ``input / factor`` in its single-rank copy), so its experts train on gradients W times too
+    small; ours match the routed reference."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    ep = min(2, w)
+    m = w // ep
+    mesh = init_device_mesh("cpu", (ep, m), mesh_dim_names=("ep", "dp_mod_ep"))
+    model = _moe_sharded(fully_shard, api, mesh, rank, w, m)
+    ref = _MoE(ep)
+    meshes = sorted({p.device_mesh.size() for p in model.parameters() if hasattr(p, "device_mesh")})
+    route = [r // m for r in range(w)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_diffs = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ((ref(x, route) - y) ** 2).mean()
+        loss_diffs.append(abs(global_mean(loss) - ref_loss.item()))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_params = dict(ref.named_parameters())
+    mine = {n: p for n, p in model.named_parameters() if not n.startswith("experts.") or n.startswith(f"experts.{model.ep}.")}
+    diffs = [(p.full_tensor() - full(ref_params[n]).detach()).abs().max().item() for n, p in mine.items()]
+    groups = len(model._get_fsdp_state().own)
+    return {"param_diff": max(diffs), "loss_diff": max(loss_diffs), "meshes": meshes, "groups": groups}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_per_parameter_mesh_trains_experts_on_their_own_mesh(ranks, world_size):
+    for api in ("ours", "torch_result") if world_size == 4 else ("ours",):
+        results = ranks(world_size).run(_moe, api)
+        check(results, f"per-parameter mesh ({api}) world {world_size} vs routed single process (float64)")
+        m = world_size // min(2, world_size)
+        for r in results:
+            assert r["meshes"] == sorted({m, world_size}), r
+            assert r["groups"] == 2, r  # one per mesh object: the call's and the experts'
+
+
+def test_per_parameter_mesh_bad_input_is_refused_before_anything_changes():
+    from fake_world import fake_world
+
+    from fully_shard import ShardPlacement, fully_shard
+
+    with fake_world(4) as mesh:
+        sub = init_device_mesh("cpu", (4, 1), mesh_dim_names=("ep", "m"))["m"]  # one rank per expert
+        model = make_mlp()
+        before = [p for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"chose 'x' as the mesh of parameter '0.0.weight'; it must be a DeviceMesh"):
+            fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: ShardPlacement(None, mesh="x"))
+        with pytest.raises(ValueError, match="reshard_after_forward must be .* divides the shard world size 1"):
+            fully_shard(model, mesh=mesh, reshard_after_forward=2,
+                        shard_placement_fn=lambda p: ShardPlacement(Shard(0), mesh=sub))
+        assert [p for p in model.parameters()] == before and not any(hasattr(p, "device_mesh") for p in before)

@@ -599,7 +599,13 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
             if info.replicate_only:
                 raise ValueError("replicate() takes no per-parameter meshes; use fully_shard for those parameters.")
             if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-                check_reshard_after_forward(reshard_after_forward, other)
+                try:
+                    check_reshard_after_forward(reshard_after_forward, other)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{e} The call's reshard_after_forward applies to the parameters shard_placement_fn put on "
+                        f"another mesh {mesh} too. Fix: choose an int dividing both meshes' shard sizes, or True/False."
+                    ) from None
             made[id(mesh)] = other
         out.append(made[id(mesh)])
     return out
