@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from _parity import _mlp_loss, _train_pair, check, make_mlp, max_abs_diff, mlp_batch
-from rank_utils import world
+from rank_utils import global_mean, world
 
 
 def _shard_blocks(model, **kwargs) -> None:
@@ -126,3 +126,74 @@ def test_dp_mesh_dims_bad_input_is_refused_before_anything_changes():
         assert bad.weight is original
         with pytest.raises(ValueError, match="At least one|needs at least one"):
             DataParallelMeshDims()
+
+
+class _Experts(nn.Module):
+    """Stacked expert matrices ``(E, 10, 10)``. Sharded: a DTensor on the full mesh, ``Shard(0)`` on
+    ``ep`` (each ep rank holds its expert) and ``Replicate()`` on the dp dim; forward uses the
+    local expert. Reference: plain, and each sample block goes to the expert ``route`` names."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, h: torch.Tensor, route=None) -> torch.Tensor:
+        if route is None:
+            (local,) = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+            return h + torch.tanh(h @ local)
+        return torch.cat([c + torch.tanh(c @ self.weight[e]) for c, e in zip(h.chunk(len(route)), route)])
+
+
+class _EPModel(nn.Module):
+    def __init__(self, experts: torch.Tensor) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(7, 10).double()
+        self.experts = _Experts(experts)
+        self.head = nn.Linear(10, 3).double()
+
+    def forward(self, x, route=None):
+        return self.head(self.experts(torch.relu(self.dense(x)), route))
+
+
+def _expert_parallel_dims() -> dict:
+    """torchtitan's MoE layout on a full (dp_mod_ep, ep) mesh of 2 x 2: dense parameters shard over
+    both dims flattened, the experts (already ``Shard(0)`` on ep) over dp_mod_ep only, with their
+    gradients divided by the whole data-parallel size (each expert sees its ep rank's samples)."""
+    from fully_shard import DataParallelMeshDims, fully_shard
+
+    rank, w = world()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    torch.manual_seed(1)
+    stacked = (torch.randn(2, 10, 10) * 0.3).double()
+    ref = _EPModel(stacked.clone())
+    model = _EPModel(distribute_tensor(stacked.clone(), mesh, [Replicate(), Shard(0)]))
+    fully_shard(model.experts, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_mod_ep"))
+    model.experts.set_gradient_divide_factor(float(w))
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("dp_mod_ep", "ep")))
+    placements = tuple(model.experts.weight.placements), tuple(model.experts.weight.device_mesh.mesh_dim_names)
+    route = [r % 2 for r in range(w)]  # rank r holds expert r % 2 (its ep rank)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    loss_diffs = []
+    for step in range(3):
+        x, y = mlp_batch(step)
+        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ((ref(x, route) - y) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_diffs.append(abs(global_mean(loss) - ref_loss.item()))
+    diffs = [(p.full_tensor() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())]
+    return {"loss_diff": max(loss_diffs), "param_diff": max(diffs), "experts": placements}
+
+
+def test_expert_parallel_dims_train_like_a_routed_reference(ranks):
+    results = ranks(4).run(_expert_parallel_dims)
+    check(results, "dp_mesh_dims with an expert-parallel dim vs routed single process (float64)")
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for r in results:  # experts: dim 0 over ep as they were, then the ep-local rows over dp_mod_ep
+        assert r["experts"] == ((_StridedShard(0, split_factor=2), Shard(0)), ("dp_mod_ep", "ep")), r
