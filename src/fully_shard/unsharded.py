@@ -20,7 +20,15 @@ from .param import FSDPParam
 from .state import FSDPState, fsdp_states
 
 
-def _states(model: nn.Module) -> list[FSDPState]:
+def _states(model: nn.Module, recurse: bool) -> list[FSDPState]:
+    if not recurse:
+        state = model.__dict__.get("_fsdp_state")
+        if not isinstance(state, FSDPState):
+            raise ValueError(
+                f"unsharded(recurse=False) got a {type(model).__name__}, which fully_shard was not applied to; pass "
+                "a module returned by fully_shard (or recurse=True for every one under it)."
+            )
+        return [state]
     states = list(fsdp_states([model]))
     if not states:
         raise ValueError(
@@ -30,8 +38,9 @@ def _states(model: nn.Module) -> list[FSDPState]:
 
 
 @contextlib.contextmanager
-def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Module]:
-    """All-gather every group under ``model`` for the duration of the block.
+def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True) -> Iterator[nn.Module]:
+    """All-gather every group under ``model`` for the duration of the block (``recurse=False``:
+    only the groups of the ``fully_shard`` call applied to ``model`` itself).
 
     ``writeback=True`` copies the (possibly modified) full parameters back into the shards on
     exit; without it, changes are dropped. If the block raises, nothing is written back (the
@@ -42,7 +51,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False) -> Iterator[nn.Modul
     """
     if not isinstance(writeback, bool):
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
-    states = _states(model)
+    states = _states(model, recurse)
     for state in states:
         attach_active_traces(state.root_context().comm.tracers)
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once

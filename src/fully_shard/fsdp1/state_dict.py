@@ -1,0 +1,251 @@
+"""FSDP1's state-dict types on the per-parameter engine.
+
+The engine's own state dict holds each parameter as a DTensor shard under its original name
+(SHARDED_STATE_DICT). The other types convert at the top-level call:
+
+* FULL_STATE_DICT: every DTensor gathered (``full_tensor``, a collective every rank joins),
+  optionally moved to CPU, optionally kept on rank 0 only; loading takes full tensors and keeps
+  each rank's chunk.
+* LOCAL_STATE_DICT: each rank's local shard as a plain tensor (not FSDP1's flat parameter).
+
+Optimizer state dicts (``optim_state_dict``) are keyed by parameter name, as FSDP1's are, with
+the same conversions; ``optim_state_dict_to_load`` turns one back into what
+``optimizer.load_state_dict`` takes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .config import (
+    FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
+    OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictSettings,
+    StateDictType, as_ours,
+)
+
+if TYPE_CHECKING:
+    from .wrapper import FullyShardedDataParallel
+
+WRAPPED = "_fsdp_wrapped_module."
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def default_config(kind: StateDictType) -> StateDictConfig:
+    return _CONFIGS[kind][0]()
+
+
+def default_optim_config(kind: StateDictType) -> OptimStateDictConfig:
+    return _CONFIGS[kind][1]()
+
+
+def clean(name: str) -> str:
+    """A parameter's name as state dicts show it: without the wrappers' segments."""
+    return name.replace(WRAPPED, "").replace("_checkpoint_wrapped_module.", "")
+
+
+def set_type(
+    modules: list["FullyShardedDataParallel"], kind: Any, config: Any, optim_config: Any
+) -> StateDictSettings:
+    kind = as_ours(kind, StateDictType, "state_dict_type")
+    config_cls, optim_cls = _CONFIGS[kind]
+    config = as_ours(config, config_cls, "state_dict_config") if config is not None else config_cls()
+    optim_config = as_ours(optim_config, optim_cls, "optim_state_dict_config") if optim_config is not None else optim_cls()
+    if not modules:
+        raise ValueError("state_dict_type got a module with no FullyShardedDataParallel inside.")
+    previous = get_type(modules)
+    for m in modules:
+        m._fsdp1_settings = StateDictSettings(kind, config, optim_config)
+    return previous
+
+
+def get_type(modules: list["FullyShardedDataParallel"]) -> StateDictSettings:
+    if not modules:
+        raise ValueError("get_state_dict_type got a module with no FullyShardedDataParallel inside.")
+    first = modules[0]._fsdp1_settings
+    for m in modules[1:]:
+        if m._fsdp1_settings != first:
+            raise ValueError("All FSDP modules must have the same state_dict settings.")
+    return copy.copy(first)
+
+
+def _buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
+    """Original dtypes of buffers cast by MixedPrecision(buffer_dtype=...), by state-dict key."""
+    from .wrapper import FullyShardedDataParallel
+
+    out: dict[str, torch.dtype] = {}
+    for name, m in root.named_modules():
+        if isinstance(m, FullyShardedDataParallel):
+            prefix = clean(name + ".") if name else ""
+            out.update({prefix + k: v for k, v in m._fsdp1_buffer_dtypes.items()})
+    return out
+
+
+def convert_out(root: "FullyShardedDataParallel", out: dict[str, Any]) -> dict[str, Any]:
+    """The engine's state dict (DTensor shards) in ``root``'s state-dict type."""
+    settings = root._fsdp1_settings
+    kind, config = settings.state_dict_type, settings.state_dict_config
+    offload = config.offload_to_cpu
+    dtypes = _buffer_dtypes(root)
+    result: dict[str, Any] = {}
+    for key, value in out.items():
+        if isinstance(value, DTensor):
+            if kind is StateDictType.FULL_STATE_DICT:
+                value = value.full_tensor()
+            elif kind is StateDictType.LOCAL_STATE_DICT:
+                value = value.to_local()
+            elif offload:
+                value = DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements,
+                                           run_check=False, shape=value.shape, stride=value.stride())
+        elif isinstance(value, torch.Tensor) and key in dtypes:
+            value = value.to(dtypes[key])
+        if offload and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = value.cpu()
+        result[key] = value
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and dist.get_rank() != 0:
+        return {}
+    return result
+
+
+def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
+    """A loaded value in the layout of the parameter it goes into (a DTensor shard)."""
+    if not isinstance(current, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    value = value.to(current.device)
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        return DTensor.from_local(value, current.device_mesh, current.placements, run_check=False,
+                                  shape=current.shape, stride=current.stride())
+    if tuple(value.shape) != tuple(current.shape):
+        raise ValueError(
+            f"loading a full state dict: a value of shape {tuple(value.shape)} for a parameter of shape "
+            f"{tuple(current.shape)}. Fix: load a FULL_STATE_DICT of this model (or set the state-dict type the "
+            "checkpoint was saved with)."
+        )
+    return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)
+
+
+def convert_in(root: "FullyShardedDataParallel", state_dict: Any) -> Any:
+    """A state dict of ``root``'s state-dict type as the engine loads it (DTensor shards)."""
+    from .wrapper import FullyShardedDataParallel
+
+    kind = root._fsdp1_settings.state_dict_type
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        return state_dict
+    current = super(FullyShardedDataParallel, root).state_dict(keep_vars=True)
+    return {k: _as_param_layout(v, current.get(k), kind) for k, v in state_dict.items()}
+
+
+# -- optimizer state dicts -------------------------------------------------------------------------
+
+
+def _ordered_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): clean(n) for n, p in model.named_parameters()}
+
+
+def _root_settings(model: nn.Module) -> StateDictSettings:
+    from .wrapper import FullyShardedDataParallel
+
+    return get_type(FullyShardedDataParallel.fsdp_modules(model))
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, osd: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """``optim``'s state (``osd``, default ``optim.state_dict()``) keyed by parameter name, in the
+    model's state-dict type."""
+    settings = _root_settings(model)
+    kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    raw = optim.state_dict() if osd is None else osd
+    names = _names(model)
+    params = _ordered_params(optim)
+    missing = [i for i, p in enumerate(params) if id(p) not in names]
+    if missing:
+        raise ValueError(f"optim_state_dict: the optimizer holds {len(missing)} parameter(s) that are not the model's.")
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            if kind is StateDictType.FULL_STATE_DICT:
+                value = value.full_tensor()
+            elif kind is StateDictType.LOCAL_STATE_DICT:
+                value = value.to_local()
+            elif config.offload_to_cpu:
+                return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements, run_check=False,
+                                          shape=value.shape, stride=value.stride())
+        if config.offload_to_cpu and isinstance(value, torch.Tensor):
+            value = value.cpu()
+        return value
+
+    state = {}
+    for index in sorted(raw["state"]):  # the same order on every rank: the gathers line up
+        state[names[id(params[index])]] = {k: convert(v) for k, v in raw["state"][index].items()}
+    groups = []
+    for group in raw["param_groups"]:
+        groups.append({**group, "params": [names[id(params[i])] for i in group["params"]]})
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and dist.get_rank() != 0:
+        return {}
+    return {"state": state, "param_groups": groups}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (ours or PyTorch FSDP1's) as ``optim.load_state_dict``
+    takes it: keyed by position, each value in its parameter's layout."""
+    settings = _root_settings(model)
+    kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False):
+        box = [osd if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        osd = box[0]  # type: ignore[assignment]
+    names = _names(model)
+    params = _ordered_params(optim)
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    unknown = [n for n in osd["state"] if n not in index]
+    if unknown:
+        raise ValueError(
+            f"optim_state_dict_to_load: the state dict has state for {unknown[:3]}{'...' if len(unknown) > 3 else ''}, "
+            "which this optimizer does not hold. Fix: build the optimizer over the same parameters that were saved."
+        )
+    state = {}
+    for name, entry in osd["state"].items():
+        p = params[index[name]]
+        state[index[name]] = {k: _as_param_layout(v, p, kind) if isinstance(v, torch.Tensor) and v.dim() else v
+                              for k, v in entry.items()}
+    if len(osd["param_groups"]) != len(optim.param_groups):
+        raise ValueError(
+            f"optim_state_dict_to_load: {len(osd['param_groups'])} parameter groups saved, the optimizer has "
+            f"{len(optim.param_groups)}. Fix: build the optimizer with the same groups."
+        )
+    groups = [{**group, "params": [index[n] for n in group["params"]]} for group in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def show_full_grads(roots: list[nn.Module]) -> Callable[[], None]:
+    """summon_full_params(with_grads=True): the unsharded parameters get the full gradients;
+    returns what drops them again."""
+    from ..state import fsdp_states
+
+    shown = []
+    for state in fsdp_states(roots):
+        for group in state.own:
+            for p in group.params:
+                grad = p.sharded_param.grad
+                if grad is not None and p.unsharded_param is not None and p.is_unsharded:
+                    p.unsharded_param.grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+                    shown.append(p)
+
+    def hide() -> None:
+        for p in shown:
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+
+    return hide

@@ -1,0 +1,482 @@
+"""`FullyShardedDataParallel`: FSDP1's wrapper class, running on this package's per-parameter
+engine. Constructing one applies ``fully_shard`` (or ``replicate``, or HSDP) to the wrapper, after
+wrapping the submodules the auto-wrap policy chose as nested instances (bottom up, the root last).
+
+The wrapped module is the child ``_fsdp_wrapped_module`` (as in FSDP1), so ``model.modules()``
+still finds it and ``apply_activation_checkpointing`` can wrap it; state dicts drop that segment
+from their keys (FSDP1's names with ``use_orig_params=True``). There is no flat parameter: the
+optimizer sees the original parameters as sharded DTensors, whatever ``use_orig_params`` says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from ..api import fully_shard, replicate
+from ..clip import clip_grad_norm_ as _clip_grad_norm
+from ..mesh import default_device_type
+from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..unsharded import unsharded
+from . import state_dict as sd
+from .comm_hooks import comm_hook_dtype
+from .config import (
+    BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy, StateDictConfig,
+    StateDictSettings, StateDictType, as_ours,
+)
+from .wrap import targets_of
+
+WRAPPED = "_fsdp_wrapped_module"
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class FullyShardedDataParallel(nn.Module):
+    """FSDP1's ``FullyShardedDataParallel``, same arguments and defaults (PyTorch 2.13), on the
+    per-parameter engine. See docs/migrating_from_fsdp1.md for how each argument maps."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Union[int, torch.device, None] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Any = None,
+        device_mesh: Optional[DeviceMesh] = None,
+    ) -> None:
+        # Every argument is checked before anything changes.
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it once.")
+        strategy = as_ours(sharding_strategy, ShardingStrategy, "sharding_strategy") or ShardingStrategy.FULL_SHARD
+        cpu_offload = as_ours(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
+        backward_prefetch = as_ours(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        mp = as_ours(mixed_precision, MixedPrecision, "mixed_precision")
+        if mp is not None and mp.keep_low_precision_grads:
+            raise ValueError(
+                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is not supported: "
+                "reduced gradients are kept in the parameters' dtype for the optimizer. Fix: drop "
+                "keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep the parameters "
+                "themselves in low precision (model.to(torch.bfloat16))."
+            )
+        if forward_prefetch:
+            raise ValueError(
+                "FullyShardedDataParallel(forward_prefetch=True) is not supported. Fix: pass forward_prefetch=False and "
+                "name the modules to prefetch with fsdp_module.set_modules_to_forward_prefetch([next_module, ...])."
+            )
+        if ignored_modules is not None and ignored_states is not None:
+            raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.")
+        ignored_mods, ignored_params = _ignored(ignored_modules, ignored_states)
+        device = _device(device_id, module)
+        mesh = _mesh(strategy, process_group, device_mesh, device)
+        super().__init__()
+        self._fsdp1_nested = False  # set when an enclosing FullyShardedDataParallel is built around this one
+        self._fsdp1_strategy = strategy
+        self._fsdp1_mp = mp
+        self._fsdp1_use_orig_params = use_orig_params
+        self._fsdp1_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, sd.default_config(StateDictType.FULL_STATE_DICT),
+                                                 sd.default_optim_config(StateDictType.FULL_STATE_DICT))
+        self._fsdp1_comm_hook: Any = None
+        self._fsdp1_buffer_dtypes: dict[str, torch.dtype] = {}
+        if auto_wrap_policy is not None:
+            root_kwargs = dict(
+                process_group=None, sharding_strategy=strategy, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
+                mixed_precision=mp, param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
+                device_mesh=mesh,
+            )
+            ignored_ids = {id(p) for p in ignored_params}
+            chosen = targets_of(auto_wrap_policy, module, ignored_mods, ignored_ids, root_kwargs)
+            if mp is not None:  # FSDP1: modules of these classes get their own instance, in full precision
+                for m in module.modules():
+                    if m is not module and m not in ignored_mods and isinstance(m, tuple(mp._module_classes_to_ignore)):
+                        chosen[m] = {**chosen.get(m, root_kwargs), "mixed_precision": None}
+            _wrap_post_order(module, chosen)
+        _materialize(module, param_init_fn, device, ignored_mods)
+        if device.type != "cpu":
+            _to_device(module, device, ignored_params)
+        if sync_module_states:
+            _broadcast_from_rank0(module, mesh, ignored_params)
+        self._fsdp_wrapped_module = module
+        for m in module.modules():  # nested instances are not roots
+            if isinstance(m, FullyShardedDataParallel):
+                m._fsdp1_nested = True
+        if mp is not None and mp.buffer_dtype is not None:
+            self._fsdp1_buffer_dtypes = _cast_buffers(self, mp.buffer_dtype)
+        policy = MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
+            cast_forward_inputs=False,  # FSDP1's input casting (root / every instance) happens in forward
+        )
+        offload = CPUOffloadPolicy() if cpu_offload.offload_params else OffloadPolicy()
+        if strategy is ShardingStrategy.NO_SHARD:
+            replicate(self, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=ignored_params or None)
+        else:
+            reshard = None if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) else False
+            fully_shard(self, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
+                        ignored_params=ignored_params or None)
+        if backward_prefetch is None:
+            self.set_modules_to_backward_prefetch([])  # type: ignore[attr-defined]
+        elif backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            warnings.warn(
+                "FullyShardedDataParallel(backward_prefetch=BACKWARD_POST) runs as BACKWARD_PRE here: the next module's "
+                "all-gather is issued when this module's backward starts (results are the same).", stacklevel=2,
+            )
+        self._register_state_dict_hook(_strip_wrapped_prefix)
+        self._register_load_state_dict_pre_hook(_add_wrapped_prefix, with_module=True)
+
+    # -- module plumbing --------------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._modules[WRAPPED]  # type: ignore[return-value]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if not modules or WRAPPED not in modules:  # still being built
+                raise
+            return getattr(modules[WRAPPED], name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._modules[WRAPPED].__getitem__(key)  # type: ignore[operator]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mp = self._fsdp1_mp
+        if mp is not None and mp.param_dtype is not None and (
+            mp.cast_forward_inputs or (mp.cast_root_forward_inputs and self.check_is_root())
+        ):
+            dtype = mp.param_dtype
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
+            )
+        return self._modules[WRAPPED](*args, **kwargs)
+
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root (no enclosing FullyShardedDataParallel)."""
+        state = self._get_fsdp_state()  # type: ignore[attr-defined]
+        return state.is_root if state.ctx is not None else not self._fsdp1_nested
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        return [m for m in found if m.check_is_root()] if root_only else found
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``fn`` on every submodule and this one, with the full parameters in place (written back)."""
+        with torch.no_grad(), unsharded(self, writeback=True, recurse=False):
+            return super().apply(fn)  # type: ignore[return-value]
+
+    # -- training-loop controls -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate unsharded gradients; the first backward after reduces them."""
+        self.set_requires_gradient_sync(False, recurse=True)  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True, recurse=True)  # type: ignore[attr-defined]
+
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+        """Clip every gradient under this module by their global norm; return that norm (a plain tensor)."""
+        total = _clip_grad_norm(self.parameters(), max_norm, norm_type)
+        return total.full_tensor() if isinstance(total, DTensor) else total
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+        offload_to_cpu: bool = False, with_grads: bool = False,
+    ) -> Iterator[None]:
+        """The full parameters in place inside the block (FSDP1's semantics; see the docs)."""
+        if rank0_only and writeback:
+            raise ValueError("writeback=True and rank0_only=True is not supported, as model parameter shapes will "
+                             "be different across ranks, and writing to them can lead to inconsistencies across ranks when "
+                             "the context is exited.")
+        roots = [module] if isinstance(module, FullyShardedDataParallel) else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+        if not roots:
+            raise ValueError(f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside.")
+        if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
+            raise ValueError(
+                "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full parameters stay on "
+                "the device inside the block. Fix: for a CPU copy, use model.state_dict() under "
+                "state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
+            )
+        with contextlib.ExitStack() as stack:
+            for r in roots:
+                stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
+            if rank0_only and dist.get_rank() != 0:
+                for r in roots:  # only rank 0 sees the full parameters; the others gathered for it
+                    r.reshard()
+            elif with_grads:
+                stack.callback(sd.show_full_grads(roots))
+            yield
+
+    # -- state dicts --------------------------------------------------------------------------------
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module, state_dict_type: StateDictType, state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type of every instance under ``module``; return the previous settings."""
+        return sd.set_type(FullyShardedDataParallel.fsdp_modules(module), state_dict_type, state_dict_config,
+                           optim_state_dict_config)
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        return sd.get_type(FullyShardedDataParallel.fsdp_modules(module))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module, state_dict_type: StateDictType, state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> Iterator[None]:
+        modules = FullyShardedDataParallel.fsdp_modules(module)
+        previous = sd.set_type(modules, state_dict_type, state_dict_config, optim_state_dict_config)
+        try:
+            yield
+        finally:
+            sd.set_type(modules, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        out = super().state_dict(*args, **kwargs)
+        top = not args and kwargs.get("destination") is None and not kwargs.get("prefix")
+        return sd.convert_out(self, out) if top else out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return super().load_state_dict(sd.convert_in(self, state_dict), strict=strict, assign=assign)
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[dict[str, Any]] = None,
+                         group: Any = None) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter names, in the model's state-dict type."""
+        return sd.optim_state_dict(model, optim, optim_state_dict)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                                 is_named_optimizer: bool = False, load_directly: bool = False, group: Any = None) -> dict[str, Any]:
+        """A state dict ``optim.load_state_dict`` takes, from one `optim_state_dict` returned."""
+        out = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(out)
+        return out
+
+    # -- communication hooks ------------------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """FSDP1's default hooks: ``allreduce_hook`` / ``reduce_scatter_hook`` (the default reduction)
+        and ``fp16_compress_hook`` / ``bf16_compress_hook`` (reduce in that dtype). Other hooks are
+        refused with the alternatives."""
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance.")
+        dtype = comm_hook_dtype(hook)
+        for m in FullyShardedDataParallel.fsdp_modules(self):
+            if m._fsdp1_comm_hook is not None:
+                raise AssertionError("A communication hook is already registered")
+            m._fsdp1_comm_hook = hook
+            if dtype is not None:
+                for g in m._get_fsdp_state().own:  # type: ignore[attr-defined]
+                    for p in g.params:
+                        p.reduce_dtype = dtype
+
+
+def _strip_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    inner = prefix + WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _ignored(ignored_modules: Any, ignored_states: Any) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    mods: set[nn.Module] = set()
+    params: set[nn.Parameter] = set()
+    for item in list(ignored_modules or ()) + list(ignored_states or ()):
+        if isinstance(item, nn.Parameter):
+            params.add(item)
+        elif isinstance(item, nn.Module):
+            if isinstance(item, FullyShardedDataParallel):
+                raise ValueError("ignored_modules should not include FSDP modules")
+            mods.update(item.modules())
+        else:
+            raise TypeError(f"ignored_modules / ignored_states take modules and parameters, got {type(item).__name__}.")
+    for m in mods:
+        params.update(m.parameters(recurse=False))
+    return mods, params
+
+
+def _device(device_id: Any, module: nn.Module) -> torch.device:
+    """Where the wrapped module computes: ``device_id`` (an int is an accelerator index), else a
+    non-CPU device its parameters are on, else the current accelerator, else CPU."""
+    if isinstance(device_id, int):
+        return torch.device(default_device_type(), device_id)
+    if device_id is not None:
+        return torch.device(device_id)
+    for p in module.parameters():
+        if p.device.type not in ("cpu", "meta"):
+            return p.device
+    kind = default_device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Optional[DeviceMesh], device: torch.device) -> DeviceMesh:
+    hybrid = strategy in _HYBRID
+    if device_mesh is not None:
+        if process_group is not None:
+            raise ValueError("Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them.")
+        if device_mesh.ndim != (2 if hybrid else 1):
+            raise ValueError(
+                f"sharding_strategy={strategy.name} needs a {'2-D (replicate, shard)' if hybrid else '1-D'} device_mesh, "
+                f"got a {device_mesh.ndim}-D one."
+            )
+        return device_mesh
+    if not dist.is_initialized():
+        raise RuntimeError("FullyShardedDataParallel needs torch.distributed initialised (init_process_group) first.")
+    if hybrid:
+        if process_group is not None:
+            if not (isinstance(process_group, tuple) and len(process_group) == 2):
+                raise ValueError(
+                    f"sharding_strategy={strategy.name} takes process_group=(intra_node_group, inter_node_group), got "
+                    f"{process_group!r}."
+                )
+            return _mesh_from_groups(*process_group, device)
+        world = dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
+            torch.accelerator.device_count() if device.type != "cpu" else world
+        )
+        if world % local:
+            raise ValueError(f"HYBRID_SHARD: the node size {local} does not divide the world size {world}; pass device_mesh.")
+        return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+    if process_group is not None:
+        return DeviceMesh.from_group(process_group, device.type)
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _mesh_from_groups(intra: Any, inter: Any, device: torch.device) -> DeviceMesh:
+    """A (replicate, shard) mesh from FSDP1's (intra-node, inter-node) group pair."""
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, dist.get_process_group_ranks(intra))
+    table: dict[int, list[int]] = {}
+    for row in rows:
+        table[row[0]] = row  # one row per shard group, keyed by its first rank
+    ordered = [table[k] for k in sorted(table)]
+    return DeviceMesh.from_group([inter, intra], device.type, mesh=torch.tensor(ordered),
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def _wrap_post_order(root: nn.Module, chosen: dict[nn.Module, dict[str, Any]]) -> None:
+    """Replace each chosen module (children first) with a nested instance built with its kwargs."""
+    visited: set[nn.Module] = {root}
+
+    def visit(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if child in visited:
+                continue
+            visited.add(child)
+            visit(child)
+            if child in chosen and not isinstance(child, FullyShardedDataParallel):
+                setattr(module, name, FullyShardedDataParallel(child, **chosen[child]))
+
+    visit(root)
+
+
+def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ignored: set[nn.Module]) -> None:
+    """Meta-device modules (not yet under a nested instance): ``param_init_fn(m)`` on each, else
+    ``to_empty`` + ``reset_parameters`` (FSDP1's rule)."""
+    todo, queue = [], [module]
+    while queue:
+        m = queue.pop(0)
+        if m in ignored or isinstance(m, FullyShardedDataParallel):
+            continue
+        todo.append(m)
+        queue.extend(m.children())
+    on_meta = any(t.is_meta for m in todo for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    if not on_meta:
+        return
+    with torch.no_grad():
+        for m in todo:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
+                m.to_empty(device=device, recurse=False)
+                if not hasattr(m, "reset_parameters"):
+                    raise ValueError(
+                        f"{type(m).__name__} has meta-device parameters and no reset_parameters(); pass param_init_fn "
+                        "to initialise them."
+                    )
+                m.reset_parameters()
+
+
+def _to_device(module: nn.Module, device: torch.device, ignored: set[nn.Parameter]) -> None:
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, FullyShardedDataParallel):
+                continue
+            for name, p in list(m._parameters.items()):
+                if p is not None and p not in ignored and not isinstance(p, DTensor) and p.device != device:
+                    m._parameters[name] = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+            for name, b in list(m._buffers.items()):
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
+
+
+def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
+    """sync_module_states: every rank takes the first mesh rank's parameters and buffers."""
+    tensors = [p.detach() for p in module.parameters() if p not in ignored and not isinstance(p, DTensor)]
+    tensors += [b for b in module.buffers()]
+    with torch.no_grad():
+        for dim in reversed(range(mesh.ndim)):  # shard dim first, then across replicas
+            group = mesh.get_group(dim)
+            src = dist.get_global_rank(group, 0)
+            for t in tensors:
+                dist.broadcast(t, src=src, group=group)
+
+
+def own_modules(root: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``root``'s modules (with their state-dict prefixes) that no nested instance manages."""
+    yield prefix, root
+    for name, child in root.named_children():
+        if isinstance(child, FullyShardedDataParallel):
+            continue
+        yield from own_modules(child, prefix if name == WRAPPED else f"{prefix}{name}.")
+
+
+def _cast_buffers(root: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """MixedPrecision(buffer_dtype=...): this instance's buffers are computed with in ``dtype``;
+    returns their original dtypes, by state-dict name relative to ``root``, so state dicts hold
+    them as before."""
+    original = {}
+    for prefix, m in own_modules(root):
+        for bname, buf in list(m._buffers.items()):
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                original[prefix + bname] = buf.dtype
+                m._buffers[bname] = buf.to(dtype)
+    return original
