@@ -357,3 +357,233 @@ def _dcp_load(path: str) -> dict:
 def test_fsdp1_sharded_state_dict_with_dcp_across_world_sizes(ranks, tmp_path, save_world, load_world):
     ranks(save_world).run(_dcp_save, str(tmp_path))
     check(ranks(load_world).run(_dcp_load, str(tmp_path)), f"fsdp1 sharded dcp {save_world} -> {load_world}")
+
+
+def _legacy_optim() -> dict:
+    """FSDP1's older optimizer state-dict functions: each round trip lands the same optimizer state
+    in a second model's optimizer (compared through optim_state_dict, bit for bit); rekeying to
+    positions gives PyTorch's FSDP1 positions for the same model."""
+    import torch.distributed.fsdp as theirs
+
+    import fully_shard.fsdp1 as ours
+
+    F = ours.FullyShardedDataParallel
+    rank, w = world()
+    model, opt = _trained(ours)
+    with F.state_dict_type(model, ours.StateDictType.FULL_STATE_DICT, None, ours.FullOptimStateDictConfig(offload_to_cpu=False)):
+        expected = copy.deepcopy(F.optim_state_dict(model, opt))
+
+    def landed(load) -> bool:
+        target, target_opt = _trained(ours, seed=7, steps=1)
+        target_opt.load_state_dict(load(target, target_opt))
+        with F.state_dict_type(target, ours.StateDictType.FULL_STATE_DICT, None, ours.FullOptimStateDictConfig(offload_to_cpu=False)):
+            got = F.optim_state_dict(target, target_opt)
+        return got["param_groups"] == expected["param_groups"] and all(
+            torch.equal(got["state"][n][k], v) for n, entry in expected["state"].items() for k, v in entry.items())
+
+    full = copy.deepcopy(F.full_optim_state_dict(model, opt, rank0_only=False))
+    rank0 = copy.deepcopy(F.full_optim_state_dict(model, opt))
+    sharded = copy.deepcopy(F.sharded_optim_state_dict(model, opt))
+    by_id = F.rekey_optim_state_dict(full, ours.OptimStateKeyType.PARAM_ID, model)
+    theirs_model, _ = _trained(theirs, device_id=torch.device("cpu"))
+    theirs_ids = theirs.FullyShardedDataParallel.rekey_optim_state_dict(
+        full, theirs.OptimStateKeyType.PARAM_ID, theirs_model)
+    return {
+        "rank0_only_empty": (rank0 == {}) == (rank != 0),
+        "shard_full": landed(lambda m, o: F.shard_full_optim_state_dict(full, m, optim=o)),
+        "shard_full_by_id": landed(lambda m, o: F.shard_full_optim_state_dict(by_id, m, optim=o)),
+        "scatter": landed(lambda m, o: F.scatter_full_optim_state_dict(rank0 if rank == 0 else None, m, optim=o)),
+        "flatten": landed(lambda m, o: F.flatten_sharded_optim_state_dict(sharded, m, o)),
+        "ids_like_pytorch": (sorted(by_id["state"]) == sorted(theirs_ids["state"])
+                             and by_id["param_groups"][0]["params"] == theirs_ids["param_groups"][0]["params"]
+                             and all(torch.equal(by_id["state"][i]["exp_avg"], theirs_ids["state"][i]["exp_avg"]) for i in by_id["state"])),
+        "rekey_back": F.rekey_optim_state_dict(by_id, ours.OptimStateKeyType.PARAM_NAME, model)["param_groups"] == full["param_groups"],
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp1_legacy_optimizer_state_dict_functions(ranks, world_size):
+    for r in ranks(world_size).run(_legacy_optim):
+        assert all(r.values()), r
+
+
+# -- the rest of the surface -----------------------------------------------------------------------
+
+
+def _surface() -> dict:
+    import fully_shard.fsdp1 as ours
+
+    F = ours.FullyShardedDataParallel
+    rank, w = world()
+    out: dict = {}
+    model, opt = _trained(ours)
+    out["fsdp_modules"] = (len(F.fsdp_modules(model)), F.fsdp_modules(model, root_only=True) == [model])
+    out["roots"] = (model.check_is_root(), [m.check_is_root() for m in F.fsdp_modules(model)[1:]])
+    ref_shapes = {n: tuple(p.shape) for n, p in _model(torch.float64).named_parameters()}
+    before = _full(ours, model)
+    # summon_full_params: full tensors in place; writeback keeps edits, writeback=False drops them.
+    with F.summon_full_params(model):
+        shapes = {n.replace("_fsdp_wrapped_module.", ""): tuple(p.shape) for n, p in model.named_parameters()}
+        with torch.no_grad():
+            model.module[3].weight.add_(1.0)
+    out["summon_shapes"] = shapes == ref_shapes
+    after = _full(ours, model)
+    out["writeback"] = torch.equal(after["3.weight"], before["3.weight"] + 1.0)
+    with F.summon_full_params(model, writeback=False):
+        with torch.no_grad():
+            model.module[3].weight.add_(1.0)
+    out["no_writeback"] = torch.equal(_full(ours, model)["3.weight"], after["3.weight"])
+    with F.summon_full_params(model, rank0_only=True, writeback=False):
+        weight = model.module[0].module.lin.weight
+        out["rank0_only"] = (tuple(weight.shape), hasattr(weight, "device_mesh"))
+    with F.summon_full_params(model, recurse=False, writeback=False):
+        out["recurse_false"] = (tuple(model.module[3].weight.shape) == (3, 5), hasattr(model.module[0].module.lin.weight, "device_mesh"))
+    # with_grads: the full gradients next to the full parameters.
+    x, y = _batch(0, torch.float64)
+    ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean().backward()
+    expected_grad = model.module[3].weight.grad.full_tensor()
+    with F.summon_full_params(model, with_grads=True, writeback=False):
+        out["with_grads"] = torch.equal(model.module[3].weight.grad, expected_grad)
+    opt.zero_grad()
+    # apply: fn sees the full parameters, and what it writes stays.
+    model.apply(lambda m: torch.nn.init.zeros_(m.bias) if isinstance(m, nn.Linear) else None)
+    full = _full(ours, model)
+    out["apply"] = all(not full[k].any() for k in full if k.endswith("lin.bias") or k == "3.bias")
+    # ignored_modules: left alone (a plain parameter, not sharded).
+    plain = _model(torch.float64)
+    m3 = F(plain, ignored_modules=[plain[3]])
+    out["ignored"] = (not hasattr(m3.module[3].weight, "device_mesh"), hasattr(m3.module[0].lin.weight, "device_mesh"))
+    return out
+
+
+def test_fsdp1_surface(ranks):
+    for rank, r in enumerate(ranks(2).run(_surface)):
+        assert r["rank0_only"] == ((13, 7), rank != 0), r  # the others see their sharded DTensor again
+        assert r["fsdp_modules"] == (4, True), r
+        assert r["roots"] == (True, [False, False, False]), r
+        for key in ("summon_shapes", "writeback", "no_writeback", "with_grads", "apply"):
+            assert r[key], (key, r)
+        assert r["recurse_false"] == (True, True), r
+        assert r["ignored"] == (True, True), r
+
+
+def _init_and_sync() -> dict:
+    """Meta-device init through param_init_fn, reset_parameters + sync_module_states, enable_wrap
+    / wrap, PyTorch's own enums and configs, a process group, buffer_dtype."""
+    import torch.distributed.fsdp as theirs
+
+    import fully_shard.fsdp1 as ours
+    from fully_shard.fsdp1.wrap import ModuleWrapPolicy, enable_wrap, wrap
+
+    F = ours.FullyShardedDataParallel
+    rank, w = world()
+    out: dict = {}
+
+    def init(m: nn.Module) -> None:
+        m.to_empty(device="cpu", recurse=False)
+        for name, p in m.named_parameters(recurse=False):
+            torch.nn.init.constant_(p, 0.5 if name == "weight" else -0.25)
+
+    with torch.device("meta"):
+        meta = _model(torch.float64)
+    model = F(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), param_init_fn=init)
+    full = _full(ours, model)
+    out["param_init_fn"] = all(bool((v == (0.5 if k.endswith("weight") else -0.25)).all()) for k, v in full.items())
+    # Different initial weights on every rank; sync_module_states makes rank 0's everyone's.
+    torch.manual_seed(100 + rank)
+    with torch.device("meta"):
+        meta = _model(torch.float64)
+    model = F(meta, auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True)
+    full = _full(ours, model)
+    gathered = [None] * w
+    dist.all_gather_object(gathered, {k: v.sum().item() for k, v in full.items()})
+    out["sync_module_states"] = all(g == gathered[0] for g in gathered)
+    # enable_wrap / wrap: annotated modules become nested instances.
+    torch.manual_seed(0)
+    with enable_wrap(wrapper_cls=F):
+        model = F(nn.Sequential(wrap(Block(7, 13)), wrap(Block(13, 11)), nn.Linear(11, 3)).double())
+    out["enable_wrap"] = len(F.fsdp_modules(model))
+    out["wrap_outside"] = type(wrap(nn.Linear(2, 2))) is nn.Linear
+    # PyTorch's enums and configs, a process group.
+    model = F(_model(torch.float64), sharding_strategy=theirs.ShardingStrategy.SHARD_GRAD_OP,
+              mixed_precision=theirs.MixedPrecision(param_dtype=torch.float32), process_group=dist.group.WORLD)
+    with F.state_dict_type(model, theirs.StateDictType.FULL_STATE_DICT, theirs.FullStateDictConfig(offload_to_cpu=True)):
+        sd = model.state_dict()
+    out["pytorch_objects"] = (model._fsdp1_strategy is ours.ShardingStrategy.SHARD_GRAD_OP, sd["0.lin.weight"].shape == (13, 7),
+                              sd["0.lin.weight"].dtype == torch.float64)
+    # buffer_dtype: buffers compute in it; state dicts keep their dtype.
+    base = _model(torch.float64)
+    base[0].register_buffer("scale", torch.ones(13, dtype=torch.float64))
+    model = F(base, mixed_precision=ours.MixedPrecision(buffer_dtype=torch.float32))
+    with F.state_dict_type(model, ours.StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    out["buffer_dtype"] = (model.module[0].scale.dtype == torch.float32, sd["0.scale"].dtype == torch.float64)
+    return out
+
+
+def test_fsdp1_init_sync_wrap_and_pytorch_objects(ranks):
+    for r in ranks(2).run(_init_and_sync):
+        assert r["param_init_fn"] and r["sync_module_states"] and r["wrap_outside"], r
+        assert r["enable_wrap"] == 3, r  # the root and the two wrapped blocks
+        assert r["pytorch_objects"] == (True, True, True), r
+        assert r["buffer_dtype"] == (True, True), r
+
+
+def _bf16_compress_hook() -> dict:
+    """register_comm_hook(state, bf16_compress_hook) on ours: gradients reduced in bf16, the same
+    bits as PyTorch's FSDP1 reducing in bf16 through MixedPrecision(reduce_dtype=bf16) (its hook
+    itself calls record_stream, which needs an accelerator)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    rank, w = world()
+    results = {}
+    for tag, (lib, wrap) in _libs().items():
+        extra = {"device_id": torch.device("cpu"), "mixed_precision": lib.MixedPrecision(reduce_dtype=torch.bfloat16)} if tag == "theirs" else {}
+        model = lib.FullyShardedDataParallel(_model(torch.float32), auto_wrap_policy=wrap.ModuleWrapPolicy({Block}),
+                                             use_orig_params=True, **extra)
+        if tag == "ours":
+            model.register_comm_hook(default_hooks.LowPrecisionState(dist.group.WORLD), default_hooks.bf16_compress_hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _train(model, opt, {}, torch.float32, 3, (rank, w))
+        results[tag] = (losses, _full(lib, model))
+    (la, sa), (lb, sb) = results["ours"], results["theirs"]
+    plain = _model(torch.float32)  # without the hook: different bits (the reduction really is in bf16)
+    ours_plain = _libs()["ours"][0].FullyShardedDataParallel(plain, auto_wrap_policy=_libs()["ours"][1].ModuleWrapPolicy({Block}))
+    lp = _train(ours_plain, torch.optim.AdamW(ours_plain.parameters(), lr=1e-2), {}, torch.float32, 3, (rank, w))
+    return {"loss": max(abs(a - b) for a, b in zip(la, lb)), "param": max((sa[k] - sb[k]).abs().max().item() for k in sa),
+            "differs_without": la != lp}
+
+
+def test_fsdp1_bf16_compress_hook_matches_pytorch(ranks):
+    for r in ranks(2).run(_bf16_compress_hook):
+        assert r == {"loss": 0.0, "param": 0.0, "differs_without": True}, r
+
+
+def test_fsdp1_refusals_name_the_argument_and_the_fix():
+    from fake_world import fake_world
+
+    import fully_shard.fsdp1 as ours
+
+    F = ours.FullyShardedDataParallel
+    with fake_world(2):
+        cases = [
+            (dict(forward_prefetch=True), ValueError, r"forward_prefetch=True\) is not supported"),
+            (dict(mixed_precision=ours.MixedPrecision(keep_low_precision_grads=True)), ValueError, "keep_low_precision_grads"),
+            (dict(ignored_modules=[], ignored_states=[]), ValueError, "Cannot pass both ignored_modules and ignored_states"),
+            (dict(sharding_strategy=ours.ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2,))),
+             ValueError, "HYBRID_SHARD needs a 2-D"),
+            (dict(sharding_strategy="FULL_SHARD"), TypeError, "expects a ShardingStrategy"),
+        ]
+        for kwargs, error, match in cases:
+            model = _model(torch.float64)
+            with pytest.raises(error, match=match):
+                F(model, **kwargs)
+            assert not any(hasattr(p, "device_mesh") for p in model.parameters())  # nothing changed
+        model = F(_model(torch.float64))
+        with pytest.raises(ValueError, match="already a FullyShardedDataParallel"):
+            F(model)
+        with pytest.raises(TypeError, match="only PyTorch's default FSDP hooks"):
+            model.register_comm_hook(None, lambda state, grad: grad)
+        with pytest.raises(ValueError, match="writeback=True and rank0_only=True"):
+            with F.summon_full_params(model, rank0_only=True):
+                pass

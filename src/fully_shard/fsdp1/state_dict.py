@@ -161,10 +161,13 @@ def _root_settings(model: nn.Module) -> StateDictSettings:
     return get_type(FullyShardedDataParallel.fsdp_modules(model))
 
 
-def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, osd: Optional[dict[str, Any]]) -> dict[str, Any]:
+def optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, osd: Optional[dict[str, Any]],
+    settings: Optional[StateDictSettings] = None,
+) -> dict[str, Any]:
     """``optim``'s state (``osd``, default ``optim.state_dict()``) keyed by parameter name, in the
-    model's state-dict type."""
-    settings = _root_settings(model)
+    model's state-dict type (or ``settings``)."""
+    settings = settings or _root_settings(model)
     kind, config = settings.state_dict_type, settings.optim_state_dict_config
     raw = optim.state_dict() if osd is None else osd
     names = _names(model)
@@ -197,18 +200,22 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, osd: Option
     return {"state": state, "param_groups": groups}
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
-    """A name-keyed optimizer state dict (ours or PyTorch FSDP1's) as ``optim.load_state_dict``
-    takes it: keyed by position, each value in its parameter's layout."""
-    settings = _root_settings(model)
-    kind, config = settings.state_dict_type, settings.optim_state_dict_config
-    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False):
-        box = [osd if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        osd = box[0]  # type: ignore[assignment]
+def optim_state_dict_to_load(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer], osd: dict[str, Any], kind: Optional[StateDictType] = None,
+) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (ours or PyTorch FSDP1's; ID-keyed ones too) as
+    ``optim.load_state_dict`` takes it: keyed by position in ``optim`` (or, without one, in
+    ``model.parameters()``), each value in its parameter's layout. ``kind``: the layout of the
+    values (default: the model's state-dict type)."""
+    if kind is None:
+        settings = _root_settings(model)
+        kind = settings.state_dict_type
+        if kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
+            osd = broadcast_from_rank0(osd)
     names = _names(model)
-    params = _ordered_params(optim)
+    params = _ordered_params(optim) if optim is not None else list(model.parameters())
     index = {names[id(p)]: i for i, p in enumerate(params)}
+    osd = rekey(osd, "name", params, names)
     unknown = [n for n in osd["state"] if n not in index]
     if unknown:
         raise ValueError(
@@ -220,13 +227,43 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, osd
         p = params[index[name]]
         state[index[name]] = {k: _as_param_layout(v, p, kind) if isinstance(v, torch.Tensor) and v.dim() else v
                               for k, v in entry.items()}
-    if len(osd["param_groups"]) != len(optim.param_groups):
+    if optim is not None and len(osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(
             f"optim_state_dict_to_load: {len(osd['param_groups'])} parameter groups saved, the optimizer has "
             f"{len(optim.param_groups)}. Fix: build the optimizer with the same groups."
         )
     groups = [{**group, "params": [index[n] for n in group["params"]]} for group in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    box = [obj if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rekey(osd: dict[str, Any], to: str, params: list[torch.Tensor], names: dict[int, str]) -> dict[str, Any]:
+    """``osd`` keyed by parameter name (``to="name"``) or by position in ``params`` (``"id"``),
+    whichever it was keyed by (FSDP1's ``rekey_optim_state_dict``)."""
+    by_id = {i: names[id(p)] for i, p in enumerate(params)}
+    by_name = {n: i for i, n in by_id.items()}
+    table: dict[Any, Any] = by_id if to == "name" else by_name
+
+    def key(k: Any) -> Any:
+        if (to == "name" and isinstance(k, str)) or (to == "id" and isinstance(k, int)):
+            return k
+        if k not in table:
+            raise ValueError(f"rekey_optim_state_dict: no parameter {k!r} in this model (or optimizer).")
+        return table[k]
+
+    return {
+        "state": {key(k): v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [key(k) for k in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def model_params_and_names(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], dict[int, str]]:
+    return (_ordered_params(optim) if optim is not None else list(model.parameters())), _names(model)
 
 
 def show_full_grads(roots: list[nn.Module]) -> Callable[[], None]:

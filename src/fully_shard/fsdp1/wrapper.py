@@ -30,7 +30,8 @@ from ..unsharded import unsharded
 from . import state_dict as sd
 from .comm_hooks import comm_hook_dtype
 from .config import (
-    BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy, StateDictConfig,
+    BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision, OptimStateDictConfig,
+    OptimStateKeyType, ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictConfig,
     StateDictSettings, StateDictType, as_ours,
 )
 from .wrap import targets_of
@@ -225,9 +226,10 @@ class FullyShardedDataParallel(nn.Module):
         with contextlib.ExitStack() as stack:
             for r in roots:
                 stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
-            if rank0_only and dist.get_rank() != 0:
-                for r in roots:  # only rank 0 sees the full parameters; the others gathered for it
-                    r.reshard()
+            if rank0_only and dist.get_rank() != 0:  # only rank 0 sees the full parameters; the others gathered for it
+                for r in roots:
+                    for m in FullyShardedDataParallel.fsdp_modules(r) if recurse else [r]:
+                        m.reshard()
             elif with_grads:
                 stack.callback(sd.show_full_grads(roots))
             yield
@@ -283,6 +285,56 @@ class FullyShardedDataParallel(nn.Module):
             optim.load_state_dict(out)
         return out
 
+    # FSDP1's older optimizer state-dict functions, on the same conversions.
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                              rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name (on CPU; on rank 0 only with ``rank0_only``)."""
+        _no_optim_input(optim_input)
+        settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                     FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
+        return sd.optim_state_dict(model, optim, None, settings)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, each value this rank's DTensor shard."""
+        settings = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+                                     ShardedOptimStateDictConfig(offload_to_cpu=False))
+        return sd.optim_state_dict(model, optim, None, settings)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module, optim_input: Any = None,
+                                    optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+        """A full optimizer state dict (keyed by name or position) as this rank's optimizer loads it."""
+        _no_optim_input(optim_input)
+        return sd.optim_state_dict_to_load(model, optim, full_optim_state_dict, StateDictType.FULL_STATE_DICT)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict[str, Any]], model: nn.Module,
+                                      optim_input: Any = None, optim: Optional[torch.optim.Optimizer] = None,
+                                      group: Any = None) -> dict[str, Any]:
+        """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks pass None)."""
+        _no_optim_input(optim_input)
+        full = sd.broadcast_from_rank0(full_optim_state_dict)
+        return sd.optim_state_dict_to_load(model, optim, full, StateDictType.FULL_STATE_DICT)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
+                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """A `sharded_optim_state_dict` as this rank's optimizer loads it (no flattening here)."""
+        return sd.optim_state_dict_to_load(model, optim, sharded_optim_state_dict, StateDictType.SHARDED_STATE_DICT)
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
+                               model: nn.Module, optim_input: Any = None,
+                               optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+        """Keys by parameter name (``PARAM_NAME``) or by position in ``optim`` (or ``model.parameters()``)."""
+        _no_optim_input(optim_input)
+        key_type = as_ours(optim_state_key_type, OptimStateKeyType, "optim_state_key_type")
+        params, names = sd.model_params_and_names(model, optim)
+        return sd.rekey(optim_state_dict, "name" if key_type is OptimStateKeyType.PARAM_NAME else "id", params, names)
+
     # -- communication hooks ------------------------------------------------------------------------
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
@@ -300,6 +352,14 @@ class FullyShardedDataParallel(nn.Module):
                 for g in m._get_fsdp_state().own:  # type: ignore[attr-defined]
                     for p in g.params:
                         p.reduce_dtype = dtype
+
+
+def _no_optim_input(optim_input: Any) -> None:
+    if optim_input is not None:
+        raise ValueError(
+            "optim_input is deprecated in FSDP1 and not supported here. Fix: pass optim=the optimizer (or nothing: "
+            "positions then follow model.parameters())."
+        )
 
 
 def _strip_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
