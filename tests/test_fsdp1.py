@@ -70,6 +70,8 @@ def _kwargs(lib, wrap, case: dict, mesh) -> dict:
         kwargs["cpu_offload"] = lib.CPUOffload(offload_params=True)
     if mesh is not None:
         kwargs["device_mesh"] = mesh
+    if case.get("forward_prefetch"):
+        kwargs["forward_prefetch"] = True
     return kwargs
 
 
@@ -127,7 +129,12 @@ def _fsdp1_parity(case: dict) -> dict:
         model = lib.FullyShardedDataParallel(_model(dtype), **_kwargs(lib, wrap, case, mesh), **extra)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         c = dict(case)
-        losses = _train(model, opt, c, dtype, 3, (rank, w))
+        from fully_shard import debug
+
+        with debug.trace() as trace:
+            losses = _train(model, opt, c, dtype, 3, (rank, w))
+        if tag == "ours":  # step 0 records the order; then blocks 0 and 1 each prefetch the next
+            results["prefetches"] = [trace.count(phase="forward_prefetch", step=s) for s in range(3)]
         wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, lib.FullyShardedDataParallel))
         results[tag] = {"losses": losses, "state": _full(lib, model), "norms": c.get("_norms", []),
                         "wrapped": [n.replace("_fsdp_wrapped_module.", "") for n in wrapped]}
@@ -146,6 +153,7 @@ def _fsdp1_parity(case: dict) -> dict:
         "loss_diff": max(abs(global_mean(torch.tensor(a, dtype=torch.float64)) - b) for a, b in zip(ours["losses"], ref_losses)),
         "param_diff": max((ours["state"][k].to(ref_sd[k].dtype) - ref_sd[k]).abs().max().item() for k in ref_sd),
         "norms": (ours["norms"], theirs["norms"], c.get("_norms", [])),
+        "prefetches": results["prefetches"],
     }
 
 
@@ -157,6 +165,7 @@ CASES = {
     "no_sync": {"strategy": "FULL_SHARD", "no_sync": 2},
     "offload": {"strategy": "FULL_SHARD", "offload": True},  # these two: ours vs the reference only (see _fsdp1_parity)
     "clip": {"strategy": "FULL_SHARD", "clip": True},
+    "forward_prefetch": {"strategy": "FULL_SHARD", "forward_prefetch": True},
 }
 
 
@@ -171,6 +180,8 @@ def test_fsdp1_matches_pytorch_fsdp1(ranks, world_size, name):
         assert r["wrapped"][0] == r["wrapped"][1], r  # the policy chose the same modules
         if world_size == 2 and not case.get("clip"):
             assert r["vs_torch_loss"] == 0.0 and r["vs_torch_param"] == 0.0, r
+        if case.get("forward_prefetch"):
+            assert r["prefetches"] == [0, 2, 2], r
         if case.get("clip"):  # the norm returned is the global one (the reference's, float64)
             ours, _, ref = r["norms"]
             assert len(ours) == len(ref) == 3 and max(abs(a - b) for a, b in zip(ours, ref)) <= TOL64, r
@@ -567,7 +578,6 @@ def test_fsdp1_refusals_name_the_argument_and_the_fix():
     F = ours.FullyShardedDataParallel
     with fake_world(2):
         cases = [
-            (dict(forward_prefetch=True), ValueError, r"forward_prefetch=True\) is not supported"),
             (dict(mixed_precision=ours.MixedPrecision(keep_low_precision_grads=True)), ValueError, "keep_low_precision_grads"),
             (dict(ignored_modules=[], ignored_states=[]), ValueError, "Cannot pass both ignored_modules and ignored_states"),
             (dict(sharding_strategy=ours.ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2,))),
@@ -587,3 +597,43 @@ def test_fsdp1_refusals_name_the_argument_and_the_fix():
         with pytest.raises(ValueError, match="writeback=True and rank0_only=True"):
             with F.summon_full_params(model, rank0_only=True):
                 pass
+
+
+def _hybrid_from_groups(source: str) -> dict:
+    """HYBRID_SHARD's mesh from FSDP1's (intra-node, inter-node) group pair, or from the node size
+    (LOCAL_WORLD_SIZE, as torchrun sets it): 2 x 2, against the float64 reference."""
+    import os
+
+    import fully_shard.fsdp1 as ours
+    from fully_shard.fsdp1.wrap import ModuleWrapPolicy
+
+    rank, w = world()
+    kwargs: dict = {}
+    if source == "groups":
+        intra = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+        inter = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+        kwargs["process_group"] = (intra, inter)
+    else:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        model = ours.FullyShardedDataParallel(_model(torch.float64), sharding_strategy=ours.ShardingStrategy.HYBRID_SHARD,
+                                              auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+    mesh = model.module[3].weight.device_mesh
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = _train(model, opt, {}, torch.float64, 3, (rank, w))
+    ref = _model(torch.float64)
+    ref_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), {}, torch.float64, 3, (0, 1))
+    full, ref_sd = _full(ours, model), ref.state_dict()
+    return {"loss_diff": max(abs(global_mean(torch.tensor(a, dtype=torch.float64)) - b) for a, b in zip(losses, ref_losses)),
+            "param_diff": max((full[k] - ref_sd[k]).abs().max().item() for k in ref_sd),
+            "mesh": (tuple(mesh.shape), mesh.mesh.tolist())}
+
+
+@pytest.mark.parametrize("source", ["groups", "node_size"])
+def test_fsdp1_hybrid_mesh_from_group_pair_or_node_size(ranks, source):
+    results = ranks(4).run(_hybrid_from_groups, source)
+    check(results, f"fsdp1 HYBRID_SHARD mesh from {source} vs single process (float64)")
+    for r in results:  # replicas across nodes (rows), shards within a node (columns)
+        assert r["mesh"] == ((2, 2), [[0, 1], [2, 3]]), r

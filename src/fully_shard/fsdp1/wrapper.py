@@ -77,11 +77,6 @@ class FullyShardedDataParallel(nn.Module):
                 "keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep the parameters "
                 "themselves in low precision (model.to(torch.bfloat16))."
             )
-        if forward_prefetch:
-            raise ValueError(
-                "FullyShardedDataParallel(forward_prefetch=True) is not supported. Fix: pass forward_prefetch=False and "
-                "name the modules to prefetch with fsdp_module.set_modules_to_forward_prefetch([next_module, ...])."
-            )
         if ignored_modules is not None and ignored_states is not None:
             raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.")
         ignored_mods, ignored_params = _ignored(ignored_modules, ignored_states)
@@ -95,6 +90,11 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp1_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, sd.default_config(StateDictType.FULL_STATE_DICT),
                                                  sd.default_optim_config(StateDictType.FULL_STATE_DICT))
         self._fsdp1_comm_hook: Any = None
+        # forward_prefetch: this instance all-gathers the one that ran after it in the first forward
+        # (FSDP1's rule); the root records that order once (`_record_forward_order`).
+        self._fsdp1_forward_prefetch = bool(forward_prefetch)
+        self._fsdp1_forward_order: Optional[list[FullyShardedDataParallel]] = None
+        self._fsdp1_prefetch_set = False
         self._fsdp1_buffer_dtypes: dict[str, torch.dtype] = {}
         if auto_wrap_policy is not None:
             root_kwargs = dict(
@@ -162,6 +162,7 @@ class FullyShardedDataParallel(nn.Module):
         return self._modules[WRAPPED].__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        root = self._record_forward_order()
         mp = self._fsdp1_mp
         if mp is not None and mp.param_dtype is not None and (
             mp.cast_forward_inputs or (mp.cast_root_forward_inputs and self.check_is_root())
@@ -170,7 +171,27 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = tree_map_only(
                 torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, (args, kwargs)
             )
-        return self._modules[WRAPPED](*args, **kwargs)
+        output = self._modules[WRAPPED](*args, **kwargs)
+        if root is self and self._fsdp1_forward_order is not None:
+            _set_forward_prefetch(self._fsdp1_forward_order)
+            self._fsdp1_forward_order, self._fsdp1_prefetch_set = None, True
+        return output
+
+    def _record_forward_order(self) -> "Optional[FullyShardedDataParallel]":
+        """forward_prefetch: during the root's first forward, note the order instances run in.
+        Returns the root while it records."""
+        state = self._get_fsdp_state()  # type: ignore[attr-defined]
+        root = state.ctx.root.modules[0] if state.ctx is not None else None
+        if not isinstance(root, FullyShardedDataParallel) or root._fsdp1_prefetch_set:
+            return None
+        if root is self:
+            if not any(m._fsdp1_forward_prefetch for m in FullyShardedDataParallel.fsdp_modules(root)):
+                root._fsdp1_prefetch_set = True  # nothing to record, ever
+                return None
+            root._fsdp1_forward_order = [self]
+        elif root._fsdp1_forward_order is not None:
+            root._fsdp1_forward_order.append(self)
+        return root
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root (no enclosing FullyShardedDataParallel)."""
@@ -352,6 +373,15 @@ class FullyShardedDataParallel(nn.Module):
                 for g in m._get_fsdp_state().own:  # type: ignore[attr-defined]
                     for p in g.params:
                         p.reduce_dtype = dtype
+
+
+def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:
+    """Each instance with forward_prefetch all-gathers the next one (in the first forward's order)
+    while it computes. The root is skipped: its parameters are gathered first, before any block."""
+    blocks = order[1:]
+    for current, following in zip(blocks, blocks[1:]):
+        if current._fsdp1_forward_prefetch and following is not current:
+            current.set_modules_to_forward_prefetch([following])  # type: ignore[attr-defined]
 
 
 def _no_optim_input(optim_input: Any) -> None:
