@@ -1,6 +1,6 @@
-"""FSDP1's API on this package's engine: change ``from torch.distributed.fsdp import ...`` to
-``from fully_shard.fsdp1 import ...`` (and ``torch.distributed.fsdp.wrap`` to
-``fully_shard.fsdp1.wrap``). See docs/migrating_from_fsdp1.md."""
+"""FSDP1's API on this package's engine: import FSDP1's names from ``fully_shard.fsdp1`` (and its
+wrap policies from ``fully_shard.fsdp1.wrap``) instead of PyTorch's FSDP package. See
+docs/migrating_from_fsdp1.md."""
 
 from . import wrap
 from .config import (

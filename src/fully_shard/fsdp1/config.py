@@ -1,5 +1,5 @@
 """FSDP1's enums and config dataclasses, with the same names, members, fields and defaults as
-PyTorch 2.13's ``torch.distributed.fsdp`` ones, so FSDP1 code keeps working after changing its
+PyTorch 2.13's FSDP1 ones, so FSDP1 code keeps working after changing its
 import. PyTorch's own objects are accepted wherever ours are (`as_ours`: converted by class
 name and fields, never imported).
 """

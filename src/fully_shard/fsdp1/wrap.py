@@ -1,4 +1,4 @@
-"""FSDP1's auto-wrap policies (``torch.distributed.fsdp.wrap``), with its semantics: which
+"""FSDP1's auto-wrap policies (PyTorch's ``fsdp.wrap`` module), with their semantics: which
 submodules become their own `FullyShardedDataParallel` (one `fully_shard` group each), bottom up.
 
 * policy objects (`ModuleWrapPolicy`, `CustomPolicy`) choose target modules with their keyword
