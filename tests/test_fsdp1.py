@@ -637,3 +637,30 @@ def test_fsdp1_hybrid_mesh_from_group_pair_or_node_size(ranks, source):
     check(results, f"fsdp1 HYBRID_SHARD mesh from {source} vs single process (float64)")
     for r in results:  # replicas across nodes (rows), shards within a node (columns)
         assert r["mesh"] == ((2, 2), [[0, 1], [2, 3]]), r
+
+
+def _activation_checkpointing() -> dict:
+    """apply_activation_checkpointing after wrapping (the usual FSDP1 recipe): the blocks inside the
+    nested instances get checkpoint wrappers; training and state-dict names are unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    import fully_shard.fsdp1 as ours
+    from fully_shard.fsdp1.wrap import ModuleWrapPolicy
+
+    rank, w = world()
+    out = {}
+    for ac in (False, True):
+        model = ours.FullyShardedDataParallel(_model(torch.float64), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        if ac:
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _train(model, opt, {}, torch.float64, 3, (rank, w))
+        wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+        out[ac] = (losses, _full(ours, model), wrapped)
+    (la, sa, _), (lb, sb, n) = out[False], out[True]
+    return {"same": la == lb and list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa), "wrapped": n}
+
+
+def test_fsdp1_with_activation_checkpointing(ranks):
+    for r in ranks(2).run(_activation_checkpointing):
+        assert r == {"same": True, "wrapped": 3}, r
