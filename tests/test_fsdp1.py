@@ -664,3 +664,99 @@ def _activation_checkpointing() -> dict:
 def test_fsdp1_with_activation_checkpointing(ranks):
     for r in ranks(2).run(_activation_checkpointing):
         assert r == {"same": True, "wrapped": 3}, r
+
+
+class BNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(7, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.adapter = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.adapter(self.bn(self.lin(x)))
+
+
+def _review_cases() -> dict:
+    """A root inside a container, ignored modules under auto-wrapped blocks, BatchNorm kept out of
+    mixed precision (bit for bit with PyTorch's FSDP1), and refusals."""
+    import fully_shard.fsdp1 as ours
+
+    F = ours.FullyShardedDataParallel
+    rank, w = world()
+    out: dict = {}
+
+    class Holder(nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            model = _model(torch.float64)
+            if seed:
+                torch.manual_seed(seed)
+                for p in model.parameters():
+                    torch.nn.init.normal_(p)
+            from fully_shard.fsdp1.wrap import ModuleWrapPolicy
+
+            self.model = F(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+
+    a, b = Holder(0), Holder(7)
+    with F.state_dict_type(a, ours.StateDictType.FULL_STATE_DICT):
+        sda = a.state_dict()
+    out["container_keys"] = sorted(sda) == sorted("model." + k for k in _model(torch.float64).state_dict())
+    out["container_full"] = all(not hasattr(v, "device_mesh") for v in sda.values())
+    with F.state_dict_type(b, ours.StateDictType.FULL_STATE_DICT):
+        b.load_state_dict(sda)
+        sdb = b.state_dict()
+    out["container_load"] = all(torch.equal(sda[k], sdb[k]) for k in sda)
+    # ignored modules under auto-wrapped blocks stay plain
+    from fully_shard.fsdp1.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(BNBlock(), nn.Linear(6, 3))
+    model = F(net, auto_wrap_policy=ModuleWrapPolicy({BNBlock}), ignored_modules=[net[0].adapter])
+    out["ignored_nested"] = (not hasattr(net[0].adapter.weight, "device_mesh"), hasattr(net[0].lin.weight, "device_mesh"))
+    # LOCAL load of shards in another layout, a non-default group: refused
+    with F.state_dict_type(model, ours.StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+        bad = {k: (torch.cat([v, v]) if k == "0.lin.weight" else v) for k, v in local.items()}
+        try:
+            model.load_state_dict(bad)
+            out["local_refused"] = False
+        except ValueError as e:
+            out["local_refused"] = "A local state dict loads only at the world size and layout that saved it" in str(e)
+    try:
+        F.optim_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1), group=dist.new_group([0]))
+        out["group_refused"] = False
+    except ValueError as e:
+        out["group_refused"] = "with a group other than the default one is not supported" in str(e)
+    return out
+
+
+def test_fsdp1_review_cases(ranks):
+    for r in ranks(2).run(_review_cases):
+        assert all(v is True or v == (True, True) for v in r.values()), r
+
+
+def _batchnorm_mixed_precision() -> dict:
+    """MixedPrecision(bf16) with an auto-wrap policy: BatchNorm gets its own full-precision instance,
+    its inputs cast to float32 and outputs back (FSDP1's rule), bit for bit with PyTorch's FSDP1."""
+    rank, w = world()
+    results = {}
+    for tag, (lib, wrap) in _libs().items():
+        torch.manual_seed(0)
+        net = nn.Sequential(BNBlock(), nn.Linear(6, 3))
+        extra = {} if tag == "ours" else {"device_id": torch.device("cpu")}
+        model = lib.FullyShardedDataParallel(
+            net, auto_wrap_policy=wrap.ModuleWrapPolicy({BNBlock}), use_orig_params=True,
+            mixed_precision=lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), **extra,
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = _train(model, opt, {}, torch.float32, 3, (rank, w))
+        results[tag] = (losses, _full(lib, model), sum(isinstance(m, lib.FullyShardedDataParallel) for m in model.modules()))
+    (la, sa, na), (lb, sb, nb) = results["ours"], results["theirs"]
+    return {"loss": max(abs(a - b) for a, b in zip(la, lb)), "param": max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa),
+            "instances": (na, nb)}
+
+
+def test_fsdp1_batchnorm_out_of_mixed_precision_matches_pytorch(ranks):
+    for r in ranks(2).run(_batchnorm_mixed_precision):
+        assert r == {"loss": 0.0, "param": 0.0, "instances": (3, 3)}, r

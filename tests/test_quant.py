@@ -111,3 +111,24 @@ def test_codec_errors_are_clear():
             model.set_all_gather_codec(Int8AllGather(), params=lambda name, p: False)
         assert model.set_all_gather_codec(Int8AllGather(), recurse=False) == ["0.weight"]
         assert model.set_all_gather_codec(None, params=lambda name, p: True) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_int8_codec_handles_empty_shards_and_refuses_what_it_cannot_gather():
+    from fake_world import fake_world
+    from torch.distributed.tensor import Shard
+
+    from fully_shard import fully_shard
+    from fully_shard.quant import Int8AllGather
+
+    codec = Int8AllGather()
+    empty = torch.empty(0, 1, 768)  # e.g. a (1, 1, 768) cls token on a rank past its only row
+    (q, scale), meta = codec.pre_all_gather(empty, None, torch.Size([1, 1, 768]), (768, 768, 1), None, None)
+    assert q.shape == (0, 1, 768) and q.dtype == torch.int8 and scale.shape == (0,)
+    full, _ = codec.post_all_gather(empty, (torch.zeros(2, 1, 768, dtype=torch.int8), torch.ones(2)), meta, torch.float32)
+    assert full.shape == (2, 1, 768) and not full.any()
+    with fake_world(2) as mesh:
+        model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+        fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p is model[1].weight else None)
+        with pytest.raises(ValueError, match=r"parameter '1.weight' is sharded on dim 1 .* nothing was changed"):
+            model.set_all_gather_codec(Int8AllGather())
+        assert all(p.codec is None for g in model._get_fsdp_state().own for p in g.params)

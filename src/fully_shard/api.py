@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from .lifecycle import Event
 from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_choice_for, warn_uneven_complex
@@ -301,6 +300,7 @@ class FSDPModule:
         if params is not None and not callable(params):
             raise TypeError(f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}.")
         choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
+        # (checked below: a chosen parameter sharded on another dim, or not floating point, is refused)
         prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
         chosen: list[tuple[Any, str]] = []
         for state in self._fsdp_states(recurse):
@@ -315,6 +315,15 @@ class FSDPModule:
                    "no floating-point parameter with 2 or more dims is managed here. ")
                 + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
             )
+        if codec is not None:
+            bad = [(n, fp) for fp, n in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
+            if bad:
+                name, fp = bad[0]
+                why = f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)" if fp.shard_dim else f"has dtype {fp.dtype}"
+                raise ValueError(
+                    f"set_all_gather_codec: parameter '{name}' {why}; nothing was changed. Fix: leave it out with "
+                    "params=lambda name, p: ... (the default takes every floating-point parameter of 2+ dims)."
+                )
         for fp, _ in chosen:
             fp.codec = codec
         return [name for _, name in chosen]

@@ -30,6 +30,7 @@ here an input whose dim 0 is this rank's own row count is padded with zero rows 
 from __future__ import annotations
 
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -37,7 +38,8 @@ import torch
 
 _PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 EXTENSION_METHODS = (_PRE, _POST)
-_ARITY: dict[Any, int] = {}  # the pre hook's function -> its parameter count (inspect is slow)
+# The pre hook's function -> its parameter count (inspect is slow); forgets functions that die.
+_ARITY: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,16 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
             "rebuilds the unsharded parameter from it. Fix: define the missing method (PyTorch's signatures)."
         )
     key = getattr(pre, "__func__", pre)
-    arity = _ARITY.get(key)
+    try:
+        arity = _ARITY.get(key)
+    except TypeError:  # not weak-referenceable (a builtin): look it up each time
+        arity = None
     if arity is None:
-        arity = _ARITY[key] = len(inspect.signature(pre).parameters)
+        arity = len(inspect.signature(pre).parameters)
+        try:
+            _ARITY[key] = arity
+        except TypeError:
+            pass
     if arity not in (1, 5):
         raise TypeError(
             f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
@@ -89,6 +98,7 @@ class ExtensionState:
     progress, the sizes and dtypes its inputs had, the metadata, the outputs, what to free."""
 
     hooks: Optional[Hooks] = None
+    source: Any = None  # the codec, or the local tensor's class: what built the unsharded parameter
     sizes: list[torch.Size] = field(default_factory=list)
     dtypes: list[torch.dtype] = field(default_factory=list)
     metadata: Any = None

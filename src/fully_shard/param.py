@@ -115,6 +115,9 @@ class FSDPParam:
         # What this library shards (the TP-local shape under TP), and how: pure arithmetic.
         self.layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
         self.mp = mp
+        # A reduce dtype set apart from the policy (FSDP1's fp16/bf16 compress hooks); kept across
+        # dtype changes of the parameter.
+        self.reduce_dtype_override: Optional[torch.dtype] = None
         self._set_dtype(param.dtype)
         # Dim 0: padded rows owned here, the DTensor's local tensor a view of them (no copy-in
         # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
@@ -183,6 +186,8 @@ class FSDPParam:
         cast = dtype.is_floating_point
         self.param_dtype = self.mp.param_dtype if cast and self.mp.param_dtype is not None else dtype
         self.reduce_dtype = self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
+        if cast and self.reduce_dtype_override is not None:
+            self.reduce_dtype = self.reduce_dtype_override
 
     def add_places(self, places: list[ParamPlace]) -> None:
         """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it
@@ -289,10 +294,14 @@ class FSDPParam:
                 f"on dim {self.shard_dim}; extensions gather dim-0 shards. Fix: return Shard(0) (or None) for it from "
                 "shard_placement_fn."
             )
-        if (hooks is not None) != (self.ext is not None and self.ext.hooks is not None):
+        # Which extension: a codec object, or the local tensor's class (its own methods). Another one
+        # (or none) than the unsharded parameter was built by: drop it, start afresh.
+        source = None if hooks is None else (self.codec if self.codec is not None and not hasattr(
+            self.local_shard, "fsdp_pre_all_gather") else type(self.local_shard))
+        if source is not (self.ext.source if self.ext is not None else None):
             if self.unsharded_param is not None:
                 self._drop_unsharded()
-            self.ext = ExtensionState() if hooks is not None else None
+            self.ext = ExtensionState(source=source) if hooks is not None else None
         if self.ext is not None:
             self.ext.hooks = hooks
         return hooks is not None
@@ -301,12 +310,13 @@ class FSDPParam:
         """What the extension chose to all-gather for this rank (each input padded to the rows
         every rank sends), flat, as bytes."""
         assert self.ext is not None and self.ext.hooks is not None
-        local = self.local_shard
-        if local.device != self.info.device:  # offloaded: the hook sees the shard on the device
+        local, hooks = self.local_shard, self.ext.hooks
+        if local.device != self.info.device:  # offloaded: the hooks run on the device copy, as PyTorch's do
             local = local.to(self.info.device, non_blocking=self.pin_memory)
+            hooks = hooks_of(local, self.codec, self.path) or hooks  # methods set on the host tensor stay bound to it
         shape = self.shape  # under TP, the TP-local shape (what this library shards)
         inputs = self.ext.inputs(
-            self.ext.hooks, local, mesh=self.info.shard_mesh, outer_size=shape, outer_stride=_contiguous_stride(shape),
+            hooks, local, mesh=self.info.shard_mesh, outer_size=shape, outer_stride=_contiguous_stride(shape),
             module=self.places[0].module, mp_policy=self.mp, local_rows=self.layout.local_rows, rows=self.layout.rows,
             fqn=self.path,
         )

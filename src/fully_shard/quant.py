@@ -27,6 +27,7 @@ for experiments with it.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -45,7 +46,7 @@ class Int8AllGather:
         self, tensor: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
         module: Any, mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
-        rows = tensor.reshape(tensor.shape[0], -1).float()
+        rows = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).float()  # any size, zero rows too
         scale = rows.abs().amax(dim=1) / 127.0 if rows.shape[1] else rows.new_ones(rows.shape[0])
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale works
         q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -56,7 +57,7 @@ class Int8AllGather:
         *, out: Optional[torch.Tensor] = None,
     ) -> Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         q, scale = outputs  # (W * rows, *rest) int8 and (W * rows,) float32, padding rows included
-        q2d = q.reshape(q.shape[0], -1)
+        q2d = q.reshape(q.shape[0], math.prod(q.shape[1:]))
         if out is None:
             full = torch.empty(q.shape, dtype=param_dtype, device=q.device)
             torch.mul(q2d, scale[:, None], out=full.view(q2d.shape))
@@ -66,5 +67,5 @@ class Int8AllGather:
         # refill must not bump its version.
         n = out.shape[0]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            torch.mul(q2d[:n], scale[:n, None], out=out.view(n, -1))
+            torch.mul(q2d[:n], scale[:n, None], out=out.view(q2d[:n].shape))
         return None

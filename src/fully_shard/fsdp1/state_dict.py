@@ -78,26 +78,15 @@ def get_type(modules: list["FullyShardedDataParallel"]) -> StateDictSettings:
     return copy.copy(first)
 
 
-def _buffer_dtypes(root: nn.Module) -> dict[str, torch.dtype]:
-    """Original dtypes of buffers cast by MixedPrecision(buffer_dtype=...), by state-dict key."""
-    from .wrapper import FullyShardedDataParallel
-
-    out: dict[str, torch.dtype] = {}
-    for name, m in root.named_modules():
-        if isinstance(m, FullyShardedDataParallel):
-            prefix = clean(name + ".") if name else ""
-            out.update({prefix + k: v for k, v in m._fsdp1_buffer_dtypes.items()})
-    return out
-
-
-def convert_out(root: "FullyShardedDataParallel", out: dict[str, Any]) -> dict[str, Any]:
-    """The engine's state dict (DTensor shards) in ``root``'s state-dict type."""
-    settings = root._fsdp1_settings
+def convert_out(module: "FullyShardedDataParallel", state_dict: dict[str, Any], prefix: str) -> None:
+    """State-dict post hook of each instance: its entries (under ``prefix``; nested instances'
+    already converted) from the engine's DTensor shards to its state-dict type, in place."""
+    settings = module._fsdp1_settings
     kind, config = settings.state_dict_type, settings.state_dict_config
     offload = config.offload_to_cpu
-    dtypes = _buffer_dtypes(root)
-    result: dict[str, Any] = {}
-    for key, value in out.items():
+    keys = [k for k in state_dict if k.startswith(prefix)]
+    for key in keys:
+        value = state_dict[key]
         if isinstance(value, DTensor):
             if kind is StateDictType.FULL_STATE_DICT:
                 value = value.full_tensor()
@@ -106,14 +95,16 @@ def convert_out(root: "FullyShardedDataParallel", out: dict[str, Any]) -> dict[s
             elif offload:
                 value = DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements,
                                            run_check=False, shape=value.shape, stride=value.stride())
-        elif isinstance(value, torch.Tensor) and key in dtypes:
-            value = value.to(dtypes[key])
+        else:
+            original = module._fsdp1_buffer_dtypes.get(key[len(prefix):])
+            if original is not None and isinstance(value, torch.Tensor):
+                value = value.to(original)
         if offload and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             value = value.cpu()
-        result[key] = value
+        state_dict[key] = value
     if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and dist.get_rank() != 0:
-        return {}
-    return result
+        for key in keys:
+            del state_dict[key]
 
 
 def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
@@ -122,6 +113,13 @@ def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
         return value
     value = value.to(current.device)
     if kind is StateDictType.LOCAL_STATE_DICT:
+        local = current.to_local()
+        if tuple(value.shape) != tuple(local.shape):
+            raise ValueError(
+                f"loading a LOCAL_STATE_DICT: a shard of shape {tuple(value.shape)} where this rank holds "
+                f"{tuple(local.shape)}. A local state dict loads only at the world size and layout that saved it. "
+                "Fix: save and load a SHARDED_STATE_DICT (with torch.distributed.checkpoint) to change them."
+            )
         return DTensor.from_local(value, current.device_mesh, current.placements, run_check=False,
                                   shape=current.shape, stride=current.stride())
     if tuple(value.shape) != tuple(current.shape):
@@ -133,15 +131,17 @@ def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
     return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)
 
 
-def convert_in(root: "FullyShardedDataParallel", state_dict: Any) -> Any:
-    """A state dict of ``root``'s state-dict type as the engine loads it (DTensor shards)."""
-    from .wrapper import FullyShardedDataParallel
-
-    kind = root._fsdp1_settings.state_dict_type
+def convert_in(module: nn.Module, state_dict: dict[str, Any], prefix: str, kind: StateDictType) -> None:
+    """Load pre hook of each instance: entries under ``prefix`` of ``kind`` (full or local
+    tensors) turned into the DTensor shards the engine loads, in place (an enclosing instance
+    already converted its nested ones: DTensors are left as they are)."""
     if kind is StateDictType.SHARDED_STATE_DICT:
-        return state_dict
-    current = super(FullyShardedDataParallel, root).state_dict(keep_vars=True)
-    return {k: _as_param_layout(v, current.get(k), kind) for k, v in state_dict.items()}
+        return
+    targets = {clean(n): p for n, p in module.named_parameters()}
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        current = targets.get(clean(key[len(prefix):]))
+        if current is not None:
+            state_dict[key] = _as_param_layout(state_dict[key], current, kind)
 
 
 # -- optimizer state dicts -------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from ..api import fully_shard, replicate
 from ..clip import clip_grad_norm_ as _clip_grad_norm
@@ -101,20 +101,32 @@ class FullyShardedDataParallel(nn.Module):
                 process_group=None, sharding_strategy=strategy, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
                 mixed_precision=mp, param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                device_mesh=mesh,
+                device_mesh=mesh, ignored_states=list(ignored_params) or None,
             )
             ignored_ids = {id(p) for p in ignored_params}
             chosen = targets_of(auto_wrap_policy, module, ignored_mods, ignored_ids, root_kwargs)
             if mp is not None:  # FSDP1: modules of these classes get their own instance, in full precision
+                overridden = set()
                 for m in module.modules():
                     if m is not module and m not in ignored_mods and isinstance(m, tuple(mp._module_classes_to_ignore)):
                         chosen[m] = {**chosen.get(m, root_kwargs), "mixed_precision": None}
+                        _run_in_fp32(m)
+                        overridden.add(type(m).__name__)
+                if overridden:
+                    warnings.warn(
+                        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module "
+                        f"has submodules of type: {sorted(overridden)}. These modules will be wrapped as separate FSDP "
+                        "instances with mixed precision disabled.", stacklevel=2,
+                    )
+            for kwargs in chosen.values():  # a policy that names a group of its own drops the inherited mesh
+                if kwargs.get("process_group") is not None:
+                    kwargs.pop("device_mesh", None)
             _wrap_post_order(module, chosen)
         _materialize(module, param_init_fn, device, ignored_mods)
         if device.type != "cpu":
-            _to_device(module, device, ignored_params)
+            _to_device(module, device, ignored_params, ignored_mods)
         if sync_module_states:
-            _broadcast_from_rank0(module, mesh, ignored_params)
+            _broadcast_from_rank0(module, mesh, ignored_params, ignored_mods)
         self._fsdp_wrapped_module = module
         for m in module.modules():  # nested instances are not roots
             if isinstance(m, FullyShardedDataParallel):
@@ -139,7 +151,10 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel(backward_prefetch=BACKWARD_POST) runs as BACKWARD_PRE here: the next module's "
                 "all-gather is issued when this module's backward starts (results are the same).", stacklevel=2,
             )
+        # State dicts at any depth (a root inside a container too): names first, then values.
         self._register_state_dict_hook(_strip_wrapped_prefix)
+        self._register_state_dict_hook(_convert_state_dict)
+        self._register_load_state_dict_pre_hook(_convert_loaded, with_module=True)
         self._register_load_state_dict_pre_hook(_add_wrapped_prefix, with_module=True)
 
     # -- module plumbing --------------------------------------------------------------------------
@@ -283,24 +298,18 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             sd.set_type(modules, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        out = super().state_dict(*args, **kwargs)
-        top = not args and kwargs.get("destination") is None and not kwargs.get("prefix")
-        return sd.convert_out(self, out) if top else out
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        return super().load_state_dict(sd.convert_in(self, state_dict), strict=strict, assign=assign)
-
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[dict[str, Any]] = None,
                          group: Any = None) -> dict[str, Any]:
         """The optimizer's state keyed by parameter names, in the model's state-dict type."""
+        _default_group_only(group, "optim_state_dict")
         return sd.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
                                  is_named_optimizer: bool = False, load_directly: bool = False, group: Any = None) -> dict[str, Any]:
         """A state dict ``optim.load_state_dict`` takes, from one `optim_state_dict` returned."""
+        _default_group_only(group, "optim_state_dict_to_load")
         out = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(out)
@@ -313,6 +322,7 @@ class FullyShardedDataParallel(nn.Module):
                               rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name (on CPU; on rank 0 only with ``rank0_only``)."""
         _no_optim_input(optim_input)
+        _default_group_only(group, "full_optim_state_dict")
         settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                                      FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
         return sd.optim_state_dict(model, optim, None, settings)
@@ -320,6 +330,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, each value this rank's DTensor shard."""
+        _default_group_only(group, "sharded_optim_state_dict")
         settings = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
                                      ShardedOptimStateDictConfig(offload_to_cpu=False))
         return sd.optim_state_dict(model, optim, None, settings)
@@ -337,6 +348,7 @@ class FullyShardedDataParallel(nn.Module):
                                       group: Any = None) -> dict[str, Any]:
         """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks pass None)."""
         _no_optim_input(optim_input)
+        _default_group_only(group, "scatter_full_optim_state_dict")
         full = sd.broadcast_from_rank0(full_optim_state_dict)
         return sd.optim_state_dict_to_load(model, optim, full, StateDictType.FULL_STATE_DICT)
 
@@ -365,14 +377,16 @@ class FullyShardedDataParallel(nn.Module):
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance.")
         dtype = comm_hook_dtype(hook)
-        for m in FullyShardedDataParallel.fsdp_modules(self):
-            if m._fsdp1_comm_hook is not None:
-                raise AssertionError("A communication hook is already registered")
+        modules = FullyShardedDataParallel.fsdp_modules(self)
+        if any(m._fsdp1_comm_hook is not None for m in modules):
+            raise AssertionError("A communication hook is already registered")
+        for m in modules:
             m._fsdp1_comm_hook = hook
             if dtype is not None:
                 for g in m._get_fsdp_state().own:  # type: ignore[attr-defined]
                     for p in g.params:
-                        p.reduce_dtype = dtype
+                        p.reduce_dtype_override = dtype
+                        p._set_dtype(p.dtype)
 
 
 def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:
@@ -382,6 +396,14 @@ def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:
     for current, following in zip(blocks, blocks[1:]):
         if current._fsdp1_forward_prefetch and following is not current:
             current.set_modules_to_forward_prefetch([following])  # type: ignore[attr-defined]
+
+
+def _default_group_only(group: Any, method: str) -> None:
+    if group is not None and group is not dist.group.WORLD and group != dist.distributed_c10d._get_default_group():
+        raise ValueError(
+            f"{method}(group=...) with a group other than the default one is not supported: the state is gathered "
+            "and broadcast over every rank, from rank 0. Fix: leave group out."
+        )
 
 
 def _no_optim_input(optim_input: Any) -> None:
@@ -396,6 +418,33 @@ def _strip_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix:
     inner = prefix + WRAPPED + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
         state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _run_in_fp32(module: nn.Module) -> None:
+    """FSDP1's treatment of modules kept out of mixed precision (BatchNorm): their floating inputs
+    are cast to float32, their outputs back to the dtype the inputs came in."""
+
+    def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        floats = [t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        m.__dict__["_fsdp1_input_dtype"] = floats[0] if floats else None
+        return tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, (args, kwargs))
+
+    def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        dtype = m.__dict__.pop("_fsdp1_input_dtype", None)
+        if dtype is None or dtype == torch.float32:
+            return output
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def _convert_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    sd.convert_out(module, state_dict, prefix)  # type: ignore[arg-type]
+
+
+def _convert_loaded(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    sd.convert_in(module, state_dict, prefix, module._fsdp1_settings.state_dict_type)  # type: ignore[union-attr]
 
 
 def _add_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -511,37 +560,48 @@ def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ig
     on_meta = any(t.is_meta for m in todo for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
     if not on_meta:
         return
+    stateful = [m for m in todo if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    if param_init_fn is None:
+        missing = [type(m).__name__ for m in stateful if not hasattr(m, "reset_parameters")]
+        if missing:
+            raise ValueError(
+                f"{missing[0]} has meta-device parameters and no reset_parameters(); pass param_init_fn to initialise them."
+            )
     with torch.no_grad():
-        for m in todo:
+        for m in todo if param_init_fn is not None else stateful:
             if param_init_fn is not None:
                 param_init_fn(m)
-            elif any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
+            else:
                 m.to_empty(device=device, recurse=False)
-                if not hasattr(m, "reset_parameters"):
-                    raise ValueError(
-                        f"{type(m).__name__} has meta-device parameters and no reset_parameters(); pass param_init_fn "
-                        "to initialise them."
-                    )
                 m.reset_parameters()
 
 
-def _to_device(module: nn.Module, device: torch.device, ignored: set[nn.Parameter]) -> None:
+def _to_device(module: nn.Module, device: torch.device, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]) -> None:
+    """Move what this instance manages to ``device``; a tensor registered in several places (tied
+    weights) becomes one moved tensor everywhere."""
+    moved: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for m in module.modules():
-            if isinstance(m, FullyShardedDataParallel):
+            if isinstance(m, FullyShardedDataParallel) or m in ignored_mods:
                 continue
             for name, p in list(m._parameters.items()):
                 if p is not None and p not in ignored and not isinstance(p, DTensor) and p.device != device:
-                    m._parameters[name] = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+                    if id(p) not in moved:
+                        moved[id(p)] = nn.Parameter(p.to(device), requires_grad=p.requires_grad)
+                    m._parameters[name] = moved[id(p)]  # type: ignore[assignment]
             for name, b in list(m._buffers.items()):
                 if b is not None and b.device != device:
-                    m._buffers[name] = b.to(device)
+                    if id(b) not in moved:
+                        moved[id(b)] = b.to(device)
+                    m._buffers[name] = moved[id(b)]
 
 
-def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
-    """sync_module_states: every rank takes the first mesh rank's parameters and buffers."""
+def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]) -> None:
+    """sync_module_states: every rank takes the first mesh rank's parameters and buffers (not the
+    ignored ones, nor those nested instances already own)."""
     tensors = [p.detach() for p in module.parameters() if p not in ignored and not isinstance(p, DTensor)]
-    tensors += [b for b in module.buffers()]
+    tensors += [b for m in module.modules() if m not in ignored_mods and not isinstance(m, FullyShardedDataParallel)
+                for b in m.buffers(recurse=False)]
     with torch.no_grad():
         for dim in reversed(range(mesh.ndim)):  # shard dim first, then across replicas
             group = mesh.get_group(dim)
