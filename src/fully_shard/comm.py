@@ -132,7 +132,7 @@ class CommContext:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.uses_streams = device.type != "cpu"
+        self.uses_streams = device.type not in ("cpu", "meta")  # meta: a simulated step (fully_shard.plan)
         self.all_gather_stream: Optional[torch.Stream] = None
         self.reduce_scatter_stream: Optional[torch.Stream] = None
         if self.uses_streams:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -83,8 +84,16 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
+# Set by `fully_shard.plan.simulate`: meshes made meanwhile compute on the meta device (shapes
+# and sizes only), so the real runtime plans a step at any world size without real memory.
+SIMULATING: ContextVar[bool] = ContextVar("fully_shard_simulating", default=False)
+
+
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: CPU, or the current device of its accelerator."""
+    """The device this rank computes on for ``mesh``: CPU, or the current device of its
+    accelerator (the meta device while `fully_shard.plan` simulates)."""
+    if SIMULATING.get():
+        return torch.device("meta")
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     module = torch.get_device_module(mesh.device_type)

@@ -196,7 +196,7 @@ class FSDPParamGroup:
             return
         self.refresh()
         on_meta = [p.path for p in self.params if p.local_shard.is_meta]
-        if on_meta and not adopt_device:
+        if on_meta and not adopt_device and self.info.device.type != "meta":  # meta mesh: a simulation
             raise RuntimeError(
                 f"fully_shard group {self.fqn or '<root>'}: parameters {on_meta} are still on the meta device, so "
                 "there is nothing to compute with. Fix: after fully_shard, call model.to_empty(device=...) and then "

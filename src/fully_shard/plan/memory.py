@@ -1,0 +1,155 @@
+"""Live tensor bytes on one rank, as the step runs: the same counter for a simulated step (meta
+tensors) and a real one (CPU or accelerator tensors), so the two can be compared.
+
+Every storage an op creates on the device is counted from its creation until it dies (a weak
+reference to the storage) or is resized (``UntypedStorage.resize_``, which the engine uses to
+free unsharded parameters, is wrapped while the counter runs). ``peak`` is the largest total
+seen after any op. ``snapshot(label)`` records the total split by what the engine knows each
+storage to be (`categories`): sharded parameters, gradients, optimizer state, unsharded
+parameters, communication buffers; the rest is activations and temporaries.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+CATEGORIES = ("sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "activations")
+
+
+@dataclass
+class Snapshot:
+    """Live bytes at one point of the step, by category."""
+
+    label: str
+    total: int
+    by_category: dict[str, int] = field(default_factory=dict)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t  # type: ignore[attr-defined]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live storages on ``device_type`` (see the module docstring)."""
+
+    def __init__(self, device_type: str, categories: Optional[Callable[[], dict[int, str]]] = None) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.categories = categories
+        self.sizes: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}
+        self.current = 0
+        self.peak = 0
+        self.timeline: list[Snapshot] = []
+        self._orig_resize: Any = None
+
+    # -- counting ------------------------------------------------------------------------------
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count tensors that exist already (the model's parameters, an optimizer's state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def _add(self, t: torch.Tensor) -> None:
+        t = _local(t)
+        if t.device.type != self.device_type or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return  # another device, or a wrapper subclass (its inner tensors are counted themselves)
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.sizes:
+            return
+        nbytes = storage.nbytes()
+        self.sizes[key] = nbytes
+        self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int, _ref: Any) -> None:
+        self.current -= self.sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        key = storage._cdata
+        if key in self.sizes:
+            self.current += nbytes - self.sizes[key]
+            self.sizes[key] = nbytes
+            self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self._add, out)
+        return out
+
+    def __enter__(self) -> "LiveBytes":
+        self._orig_resize = orig = torch.UntypedStorage.resize_
+        counter = self
+
+        @functools.wraps(orig)
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            result = orig(storage, size)
+            counter._resized(storage, size)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    # -- snapshots ------------------------------------------------------------------------------
+
+    def snapshot(self, label: str) -> None:
+        known = self.categories() if self.categories is not None else {}
+        split = dict.fromkeys(CATEGORIES, 0)
+        for key, nbytes in self.sizes.items():
+            split[known.get(key, "activations")] += nbytes
+        self.timeline.append(Snapshot(label, self.current, split))
+
+
+def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
+    """What the engine holds under these `FSDPState` s, by storage: sharded parameters, their
+    gradients (sharded and unsharded), unsharded parameters, collectives' buffers; and the
+    optimizers' state."""
+    out: dict[int, str] = {}
+
+    def put(t: Any, category: str) -> None:
+        if isinstance(t, torch.Tensor):
+            local = _local(t)
+            if local.untyped_storage().nbytes() > 0:
+                out.setdefault(local.untyped_storage()._cdata, category)
+
+    for opt in optimizers:
+        for entry in opt.state.values():
+            for v in entry.values():
+                put(v, "optimizer_state")
+    for state in states:
+        for group in state.own:
+            gather = group._all_gather
+            if gather is not None:
+                for t in gather.pending.keep_alive:
+                    put(t, "communication")
+            for p in group.params:
+                put(p.padded_unsharded, "unsharded_params")
+                if p.ext is not None:
+                    for t in p.ext.outputs:
+                        put(t, "unsharded_params")
+                put(p.padded_shard if p.padded_shard is not None else p.local_shard, "sharded_params")
+                put(p.sharded_param.grad, "gradients")
+                if p.unsharded_param is not None:
+                    put(p.unsharded_param.grad, "gradients")
+        ctx = state.ctx
+        if ctx is not None and ctx.pending_reduce is not None:
+            for part in ctx.pending_reduce.parts:
+                for t in (*part.pending.keep_alive, part.output):
+                    put(t, "communication")
+    return out

@@ -1,0 +1,226 @@
+"""``simulate``: run one training step of *our own runtime* for one rank of a world of any size,
+on one CPU, without real memory: the model is built on the meta device, the process group is
+PyTorch's fake one (collectives return at once), and every buffer the engine makes is a meta
+tensor. What comes back is the schedule that will run: each collective (as `fully_shard.debug`
+traces it) and this rank's live tensor bytes over the step (`memory.LiveBytes`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..debug import CollectiveRecord, trace
+from ..mesh import SIMULATING
+from .memory import LiveBytes, Snapshot, engine_categories
+
+GiB = 2**30
+
+
+@dataclass
+class Plan:
+    """One rank's view of a simulated step (the last of ``steps``)."""
+
+    mesh_shape: tuple[int, ...]
+    peak_bytes: int  # the most live tensor bytes after any op of the step
+    timeline: list[Snapshot]  # live bytes by category at each collective and phase boundary
+    collectives: list[CollectiveRecord]  # every collective of the step, in issue order
+    parameters: int = 0  # parameters of the model (elements)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_shape)
+
+    @property
+    def peak_snapshot(self) -> Snapshot:
+        """The timeline point with the most live bytes (``peak_bytes`` may exceed it by the
+        temporaries of one op)."""
+        return max(self.timeline, key=lambda s: s.total)
+
+    def fits(self, bytes_per_rank: int) -> bool:
+        return self.peak_bytes <= bytes_per_rank
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes each kind of collective moves per step on this rank (all-gather output,
+        reduce-scatter input, all-reduce buffer)."""
+        out: dict[str, int] = {}
+        for r in self.collectives:
+            out[r.op] = out.get(r.op, 0) + r.nbytes
+        return out
+
+    def summary(self) -> str:
+        peak = self.peak_snapshot
+        lines = [
+            f"world {self.world_size} (mesh {self.mesh_shape}), {self.parameters / 1e9:.3f} B parameters",
+            f"peak live tensor memory per rank: {self.peak_bytes / GiB:.3f} GiB",
+            f"  at '{peak.label}': " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in peak.by_category.items() if v),
+            "collectives per step: " + ", ".join(
+                f"{op} x{sum(r.op == op for r in self.collectives)} ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
+            ),
+        ]
+        return "\n".join(lines)
+
+
+def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None) -> None:
+    """Every block (the children of the model's largest ``nn.ModuleList``), then the root."""
+    from ..api import fully_shard
+    from ..policy import MixedPrecisionPolicy
+
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if lists:
+        for block in max(lists, key=len):
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def _optimizer(choice: Union[str, Callable, None], params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+    if choice is None:
+        return None
+    if callable(choice):
+        return choice(params)
+    kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+    if choice not in kinds:
+        raise ValueError(f"simulate(optimizer={choice!r}): use one of {sorted(kinds)}, None, or a callable params -> optimizer.")
+    return kinds[choice](params, lr=1e-4)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+def simulate(
+    build_model: Callable[[], nn.Module],
+    sample_inputs: Any,
+    *,
+    mesh_shape: Sequence[int],
+    mesh_dim_names: Optional[Sequence[str]] = None,
+    shard_fn: Optional[Callable[[nn.Module, Any], None]] = None,
+    optimizer: Union[str, Callable, None] = "adamw",
+    mp_policy: Any = None,
+    steps: int = 2,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+) -> Plan:
+    """Plan one training step at world size ``prod(mesh_shape)`` (1-D: FSDP; 2-D: HSDP as
+    ``(replicate, shard)``) as rank 0 sees it.
+
+    ``build_model()`` is called under ``torch.device("meta")``; ``shard_fn(model, mesh)`` applies
+    ``fully_shard`` (default: `default_shard_fn`, with ``mp_policy``); ``sample_inputs`` (one
+    rank's batch: a tensor, a tuple of positional arguments, or a dict of keyword arguments) is
+    moved to the meta device; the loss is ``loss_fn(output)`` (default: the output's sum). Runs
+    ``steps`` steps (forward, backward, optimizer step) and reports the last (the default 2: the
+    optimizer state exists in the reported step, as in training). Needs a process
+    without a process group (it makes a fake one and removes it after).
+    """
+    if dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard.plan.simulate runs on a fake process group of the planned size, and this process already "
+            "has a process group. Fix: call it from a process that has not called init_process_group (e.g. the "
+            "command line, or a subprocess)."
+        )
+    if steps < 1:
+        raise ValueError(f"simulate(steps={steps}): run at least one step.")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(int(n) for n in mesh_shape)
+    world = math.prod(shape)
+    token = SIMULATING.set(True)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        names = tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with torch.device("meta"):
+            model = build_model()
+        n_params = sum(p.numel() for p in model.parameters())
+        if shard_fn is None:
+            default_shard_fn(model, mesh, mp_policy)
+        else:
+            shard_fn(model, mesh)
+        opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        return measure(model, _to_meta(sample_inputs), opt, steps=steps, loss_fn=loss_fn, mesh_shape=shape,
+                       parameters=n_params)
+    finally:
+        dist.destroy_process_group()
+        SIMULATING.reset(token)
+
+
+def measure(
+    model: nn.Module, inputs: Any, optimizer: Optional[torch.optim.Optimizer], *, steps: int = 2,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, mesh_shape: Optional[Sequence[int]] = None,
+    parameters: Optional[int] = None,
+) -> Plan:
+    """Run ``steps`` training steps of a sharded ``model`` on this rank's ``inputs`` (forward,
+    ``loss_fn(output)`` or its sum, backward, ``optimizer`` step) and return the last one as a
+    `Plan`: a real run measured exactly as `simulate` measures a simulated one (live tensor bytes
+    on the model's device, the collectives it issued)."""
+    root = model.__dict__.get("_fsdp_state")
+    if root is None:
+        raise ValueError("plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "
+                         "fully_shard(model, mesh=mesh).")
+    from ..state import fsdp_states
+
+    states = list(fsdp_states([model]))
+    ctx = root.root_context()  # lazy init now, so the memory observer can attach to the root's collectives
+    device = root.info.device
+    counter = LiveBytes(device.type, lambda: engine_categories(states, [optimizer] if optimizer is not None else []))
+    counter.track(model.parameters())
+    counter.track(model.buffers())
+    if mesh_shape is None:
+        mesh_shape = tuple(root.info.mesh.shape)
+    for _ in range(steps):
+        counter.timeline.clear()
+        counter.peak = counter.current
+        with trace() as t, counter, _SnapshotAtCollectives(counter, ctx.comm):
+            counter.snapshot("step start")
+            if isinstance(inputs, dict):
+                output = model(**inputs)
+            elif isinstance(inputs, tuple):
+                output = model(*inputs)
+            else:
+                output = model(inputs)
+            counter.snapshot("forward end")
+            loss = loss_fn(output) if loss_fn is not None else output.float().sum()
+            loss.backward()
+            del output, loss
+            counter.snapshot("backward end")
+            if optimizer is not None:
+                optimizer.step()
+                counter.snapshot("optimizer step")
+                optimizer.zero_grad()
+            counter.snapshot("step end")
+    n = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
+    return Plan(tuple(int(x) for x in mesh_shape), counter.peak, list(counter.timeline), list(t.records), n)
+
+
+@dataclass
+class _SnapshotAtCollectives:
+    """A trace observer (the comm layer's `CollectiveObserver`) that takes a memory snapshot as
+    each collective is issued, labelled with it."""
+
+    counter: LiveBytes
+    comm: Any
+
+    def __enter__(self) -> "_SnapshotAtCollectives":
+        self.comm.tracers.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.comm.tracers.remove(self)
+
+    def begin_step(self) -> None:
+        pass
+
+    def add(self, phase: str, module: str, op: str, *args: Any, **kwargs: Any) -> None:
+        self.counter.snapshot(f"{phase} {op} {module}")
