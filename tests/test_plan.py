@@ -97,3 +97,15 @@ def test_simulation_scales_to_a_thousand_ranks():
         assert nbytes == expected, (phase, module, op, nbytes, expected)
     assert sum(c[2] == "reduce_scatter" for c in big["collectives"]) == len(groups)
     assert big["categories"]["sharded_params"] < small["categories"]["sharded_params"]  # 1/1024 vs 1/2 of the model
+
+
+def test_command_line_prints_one_row_per_mesh():
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
+         "--input-shape", "2x16", "--mesh", "2", "--mesh", "2x2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| ranks")]
+    assert [r.split("|")[1:3] for r in rows] == [[" 2 ", " 2 "], [" 4 ", " 2x2 "]], out.stdout
+    assert float(rows[1].split("|")[-2]) > 0  # HSDP: an all-reduce per step

@@ -1,0 +1,23 @@
+"""Model builders for ``python -m fully_shard.plan`` (each takes no arguments and returns the model;
+the planner calls it under the meta device, so nothing is allocated).
+
+    python -m fully_shard.plan examples/plan_models.py:llama_1b --input-shape 1x2048 --mesh 8 --mesh 512 --mesh 4096
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_model import Llama, LlamaConfig  # noqa: E402
+
+
+def llama_1b() -> Llama:
+    """A 1.1B Llama (TinyLlama's shape: 22 layers, dim 2048, 32k vocabulary, 2k context)."""
+    return Llama(LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=16, hidden_dim=5632, max_seq_len=2048))
+
+
+def llama_small() -> Llama:
+    """The examples' small Llama (tests and CI)."""
+    return Llama(LlamaConfig())

@@ -1,0 +1,107 @@
+"""python -m fully_shard.plan BUILDER --input-shape 1x2048 --mesh 8 --mesh 512 --mesh 64x8
+
+Simulate one training step of a model (``BUILDER``: ``package.module:function`` or
+``path/to/file.py:function``, a function taking no arguments that returns the model) at each
+mesh (``N`` for FSDP over N ranks, ``RxS`` for HSDP: R replicas of S shards) and print, per mesh,
+the peak live tensor memory of one rank, what it holds at its peak, and what the collectives move
+per step. The input is one rank's batch: zeros of ``--input-shape`` and ``--input-dtype`` (values do
+not matter: every tensor is on the meta device).
+
+Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
+         (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from .simulate import GiB, Plan, simulate
+
+DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_builder(spec: str) -> Callable[[], Any]:
+    """``module:function`` or ``file.py:function``."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise SystemExit(f"BUILDER must be module:function or path/to/file.py:function, got {spec!r}")
+    if where.endswith(".py"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh takes N or RxS (e.g. 512 or 64x8), got {text!r}") from None
+    if len(shape) not in (1, 2) or min(shape) < 1:
+        raise SystemExit(f"--mesh takes N or RxS with positive sizes, got {text!r}")
+    return shape
+
+
+def _gib(nbytes: int) -> str:
+    v = nbytes / GiB
+    return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.1e}"
+
+
+def table(plans: list[Plan]) -> str:
+    """One row per plan: peak per rank, what is live at the peak point, bytes per step."""
+    head = ("| ranks | mesh | peak GiB/rank | sharded params | gradients | optimizer | unsharded params | comm buffers "
+            "| activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
+    rows = [head, "|" + "---|" * 12]
+    for plan in plans:
+        cats = plan.peak_snapshot.by_category
+        moved = plan.bytes_per_step()
+        rows.append(
+            f"| {plan.world_size} | {'x'.join(map(str, plan.mesh_shape))} | {_gib(plan.peak_bytes)} | "
+            + " | ".join(_gib(cats[k]) for k in ("sharded_params", "gradients", "optimizer_state",
+                                                 "unsharded_params", "communication", "activations"))
+            + " | " + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")) + " |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("builder")
+    p.add_argument("--input-shape", required=True, help="one rank's batch, e.g. 1x2048")
+    p.add_argument("--input-dtype", default="long", choices=sorted(DTYPES))
+    p.add_argument("--mesh", action="append", required=True, help="N or RxS; repeat for several")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    args = p.parse_args(argv)
+    build = load_builder(args.builder)
+    shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
+    inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
+    mp = None
+    if args.param_dtype == "bf16":
+        from ..policy import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plans = [
+        simulate(build, inputs, mesh_shape=parse_mesh(m), mp_policy=mp, steps=args.steps,
+                 optimizer=None if args.optimizer == "none" else args.optimizer)
+        for m in args.mesh
+    ]
+    print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
+          f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps\n")
+    print(table(plans))
+
+
+if __name__ == "__main__":
+    main()
