@@ -109,3 +109,61 @@ def test_command_line_prints_one_row_per_mesh():
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| ranks")]
     assert [r.split("|")[1:3] for r in rows] == [[" 2 ", " 2 "], [" 4 ", " 2x2 "]], out.stdout
     assert float(rows[1].split("|")[-2]) > 0  # HSDP: an all-reduce per step
+
+
+def test_collective_and_step_time_model():
+    """The alpha-beta prices and the overlap rule, on a hand-made plan: exact arithmetic."""
+    from fully_shard.debug import CollectiveRecord
+    from fully_shard.plan import Cluster, Link, Plan
+    from fully_shard.plan.timing import collective_seconds
+
+    cluster = Cluster(gpus_per_node=4, intra=Link(1e-6, 100e9), inter=Link(10e-6, 10e9), flops=1e12)
+    assert collective_seconds("all_gather", 4 * 10**9, 4, cluster) == 3 * 1e-6 + 0.75 * 4 * 10**9 / 100e9  # intra
+    assert collective_seconds("reduce_scatter", 8 * 10**9, 8, cluster) == 7 * 10e-6 + 7 / 8 * 8 * 10**9 / 10e9  # inter
+    assert collective_seconds("all_reduce", 10**9, 2, cluster) == 2 * (1e-6 + 0.5 * 10**9 / 100e9)
+    assert collective_seconds("all_gather", 10**9, 1, cluster) == 0.0
+
+    def rec(phase, module, op, nbytes):
+        return CollectiveRecord(0, phase, module, op, torch.float32, nbytes, 4, "g")
+
+    ag, rs = 4 * 10**8, 8 * 10**8  # 3 us + 3 ms; 3 us + 6 ms
+    records = [rec("forward", "<root>", "all_gather", ag), rec("forward", "a", "all_gather", ag),
+               rec("backward", "a", "all_gather", ag), rec("backward", "a", "reduce_scatter", rs),
+               rec("end_of_backward", "<root>", "reduce_scatter", rs)]
+    # 10^9 params in "a", 10^8 in the root, 1 token: forward 2 ms and 0.2 ms at 1 TFLOP/s.
+    plan = Plan((4,), 0, [], records, module_params={"": 10**8, "a": 10**9}, tokens=1)
+    t = plan.estimate(cluster)
+    g, r = collective_seconds("all_gather", ag, 4, cluster), collective_seconds("reduce_scatter", rs, 4, cluster)
+    forward = g + max(0.2e-3, g) + max(2e-3, 0.0)  # the root overlaps a's all-gather; a overlaps nothing
+    backward = max(2 * 2.2e-3, g + 2 * r) + g + r  # the first all-gather and the last reduction exposed
+    assert t.step_s == pytest.approx(forward + backward, rel=1e-12) and t.compute_s == pytest.approx(3 * 2.2e-3)
+    assert t.communication_s == pytest.approx(3 * g + 2 * r)
+
+
+def test_recommend_ranks_the_settings_that_fit():
+    code = f"""
+import json, sys, torch
+sys.path.insert(0, {os.path.join(os.path.dirname(HERE), 'examples')!r})
+from llama_model import Llama, LlamaConfig
+from fully_shard.plan import Cluster, Link, recommend
+cluster = Cluster(8, Link(5e-6, 300e9), Link(12e-6, 40e9), 100e12)
+build, x = (lambda: Llama(LlamaConfig(**{CFG!r}))), torch.zeros({BATCH!r}, dtype=torch.long)
+probe = recommend(build, x, world_size=16, bytes_per_rank=2**40, cluster=cluster)
+budget = sorted(o.plan.peak_bytes for o in probe)[len(probe) // 2]
+options = recommend(build, x, world_size=16, bytes_per_rank=budget, cluster=cluster)
+print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.reshard_after_forward), o.param_dtype,
+    o.plan.peak_bytes, o.time.step_s, o.fits] for o in options]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    options, budget = result["options"], result["budget"]
+    # FSDP over 16 (reshard True / False / 8) and HSDP 2x8 (True / False), each in fp32 and bf16.
+    assert sorted((tuple(o[0]), o[1], o[2]) for o in options) == sorted(
+        [((16,), r, d) for r in ("True", "False", "8") for d in ("fp32", "bf16")]
+        + [((2, 8), r, d) for r in ("True", "False") for d in ("fp32", "bf16")])
+    fitting = [o for o in options if o[5]]
+    assert fitting and len(fitting) < len(options)
+    assert all(o[3] <= budget for o in fitting) and all(o[3] > budget for o in options if not o[5])
+    assert [o[4] for o in fitting] == sorted(o[4] for o in fitting)  # fastest first
+    assert options[: len(fitting)] == fitting  # the ones that fit come first

@@ -3,5 +3,10 @@
 
 from .memory import CATEGORIES, LiveBytes, Snapshot
 from .simulate import Plan, default_shard_fn, measure, simulate
+from .recommend import Option, recommend
+from .timing import PRESETS, Cluster, Link, StepTime
 
-__all__ = ["CATEGORIES", "LiveBytes", "Plan", "Snapshot", "default_shard_fn", "measure", "simulate"]
+__all__ = [
+    "CATEGORIES", "PRESETS", "Cluster", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
+    "measure", "recommend", "simulate",
+]

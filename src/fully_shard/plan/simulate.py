@@ -8,8 +8,8 @@ traces it) and this rank's live tensor bytes over the step (`memory.LiveBytes`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ import torch.nn as nn
 from ..debug import CollectiveRecord, trace
 from ..mesh import SIMULATING
 from .memory import LiveBytes, Snapshot, engine_categories
+
+if TYPE_CHECKING:
+    from .timing import StepTime
 
 GiB = 2**30
 
@@ -31,6 +34,19 @@ class Plan:
     timeline: list[Snapshot]  # live bytes by category at each collective and phase boundary
     collectives: list[CollectiveRecord]  # every collective of the step, in issue order
     parameters: int = 0  # parameters of the model (elements)
+    module_params: dict[str, int] = field(default_factory=dict)  # per fully_shard call ("" = the root): elements
+    tokens: int = 0  # tokens in one rank's batch (for the time estimate)
+
+    def estimate(self, cluster: Any = "h100-nvlink-ib400-bf16", tokens: Optional[int] = None,
+                 flops: Optional[float] = None) -> "StepTime":
+        """Step time on ``cluster`` (a `timing.Cluster` or a preset name), see `timing.estimate`."""
+        from .timing import PRESETS, estimate
+
+        if isinstance(cluster, str):
+            if cluster not in PRESETS:
+                raise ValueError(f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster.")
+            cluster = PRESETS[cluster]
+        return estimate(self, cluster, tokens if tokens is not None else self.tokens, flops)
 
     @property
     def world_size(self) -> int:
@@ -66,17 +82,17 @@ class Plan:
         return "\n".join(lines)
 
 
-def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None) -> None:
+def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_after_forward: Any = None) -> None:
     """Every block (the children of the model's largest ``nn.ModuleList``), then the root."""
     from ..api import fully_shard
     from ..policy import MixedPrecisionPolicy
 
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if lists:
         for block in max(lists, key=len):
             fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None})  # the root keeps its parameters for backward
 
 
 def _optimizer(choice: Union[str, Callable, None], params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
@@ -201,7 +217,20 @@ def measure(
                 optimizer.zero_grad()
             counter.snapshot("step end")
     n = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
-    return Plan(tuple(int(x) for x in mesh_shape), counter.peak, list(counter.timeline), list(t.records), n)
+    per_module = {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}
+    return Plan(tuple(int(x) for x in mesh_shape), counter.peak, list(counter.timeline), list(t.records), n,
+                per_module, _tokens(inputs))
+
+
+def _tokens(inputs: Any) -> int:
+    """Tokens in a batch: an integer tensor's elements (token ids), else all but the last dim."""
+    first = inputs if isinstance(inputs, torch.Tensor) else next(
+        (v for v in (inputs.values() if isinstance(inputs, dict) else inputs) if isinstance(v, torch.Tensor)), None)
+    if first is None:
+        return 0
+    if first.is_floating_point():
+        return first.numel() // max(first.shape[-1], 1)
+    return first.numel()
 
 
 @dataclass

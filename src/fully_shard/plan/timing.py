@@ -1,0 +1,113 @@
+"""A step-time estimate for a `Plan`: each collective priced by an alpha-beta model of its link,
+overlapped with compute the way the schedule overlaps it.
+
+Collectives (ring algorithms, as NCCL runs them at these sizes), for ``n`` ranks and ``S`` bytes
+(the all-gather output / reduce-scatter input / all-reduce buffer):
+
+* all-gather, reduce-scatter: ``(n - 1) * alpha + (n - 1) / n * S / beta``
+* all-reduce: twice that.
+
+``alpha`` (latency per ring step) and ``beta`` (bytes per second per rank) come from the link the
+group crosses: ranks within one node (consecutive ranks, at most ``gpus_per_node``) use the
+intra-node link, any wider group the inter-node one.
+
+Compute: ``2 * parameters * tokens`` FLOPs forward and twice that backward per module (the usual
+dense-layer count; attention's sequence-squared term is left out), at ``flops`` per second.
+
+Overlap (what the schedule does): in forward, the next module's all-gather runs while this one
+computes, so each module costs the larger of its compute and the next all-gather, and the first
+all-gather is exposed. In backward, prefetched all-gathers and reductions run on their own streams
+while modules compute: the pass costs the larger of all backward compute and all its
+communication, plus what cannot overlap (the first all-gather, before any compute, and the last
+reduction, after it). A model, not a measurement: check it against one real step at small scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .simulate import Plan
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float  # alpha: per ring step
+    bytes_per_s: float  # beta: per rank, achieved bus bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Links of a cluster and the compute rate of one device."""
+
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    flops: float  # achieved FLOP/s of one device for the model's matmuls
+
+    def link(self, ranks: int) -> Link:
+        return self.intra if ranks <= self.gpus_per_node else self.inter
+
+
+# Presets (achieved, not peak): 8 H100s per node on NVLink 4 (NCCL all-gather bus bandwidth about
+# 350 GB/s), 400 Gb/s InfiniBand per GPU (about 45 GB/s achieved), bf16 matmuls at about 40% of
+# 989 TFLOP/s; and the same nodes computing in fp32 (about 50 TFLOP/s without TF32).
+PRESETS = {
+    "h100-nvlink-ib400-bf16": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 400e12),
+    "h100-nvlink-ib400-fp32": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 50e12),
+    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12),
+}
+
+
+def collective_seconds(op: str, nbytes: int, ranks: int, cluster: Cluster) -> float:
+    if ranks <= 1:
+        return 0.0
+    link = cluster.link(ranks)
+    one = (ranks - 1) * link.latency_s + (ranks - 1) / ranks * nbytes / link.bytes_per_s
+    return 2 * one if op == "all_reduce" else one
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    compute_s: float
+    communication_s: float  # every collective, as if nothing overlapped
+    exposed_s: float  # communication not hidden behind compute
+
+    def __str__(self) -> str:
+        return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, communication "
+                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms)")
+
+
+def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float] = None) -> StepTime:
+    """The step time of ``plan`` on ``cluster`` with ``tokens`` tokens per rank per step."""
+    rate = flops if flops is not None else cluster.flops
+    fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}
+    cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster) for r in plan.collectives}
+
+    def members(label: str) -> list[str]:
+        return [m if m != "<root>" else "" for m in label.split("+")]
+
+    def compute(label: str, scale: float) -> float:
+        return scale * sum(fwd.get(m, 0.0) for m in members(label))
+
+    forward = [r for r in plan.collectives if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
+    backward = [r for r in plan.collectives if r.phase not in ("forward", "forward_prefetch")]
+    # Forward: module i computes while the next all-gather runs.
+    f_time = cost[id(forward[0])] if forward else 0.0
+    for i, r in enumerate(forward):
+        nxt = cost[id(forward[i + 1])] if i + 1 < len(forward) else 0.0
+        f_time += max(compute(r.module, 1.0), nxt)
+    gathered = {m for r in forward for m in members(r.module)}
+    f_time += sum(fwd[m] for m in fwd if m not in gathered)  # modules without a collective of their own
+    # Backward, in the order the collectives were issued: each module's compute overlaps the
+    # communication issued while it runs (the next prefetch, the previous module's reductions).
+    b_compute = 2 * sum(fwd.values())
+    comm = sum(cost[id(r)] for r in backward)
+    exposed_b = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0
+    b_time = max(b_compute, comm) + exposed_b + (cost[id(backward[-1])] if backward and backward[-1].op != "all_gather" else 0.0)
+    total_comm = sum(cost.values())
+    step = f_time + b_time
+    compute_total = 3 * sum(fwd.values())
+    return StepTime(step, compute_total, total_comm, max(0.0, step - compute_total))
