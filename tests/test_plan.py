@@ -167,3 +167,32 @@ print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.resh
     assert all(o[3] <= budget for o in fitting) and all(o[3] > budget for o in options if not o[5])
     assert [o[4] for o in fitting] == sorted(o[4] for o in fitting)  # fastest first
     assert options[: len(fitting)] == fitting  # the ones that fit come first
+
+
+def _measured_picture(path: str) -> bool:
+    """A real run's measured plan drawn like a simulated one."""
+    from llama_model import Llama, LlamaConfig
+
+    from fully_shard.plan import default_shard_fn, draw, measure
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**CFG))
+    default_shard_fn(model, cpu_mesh())
+    plan = measure(model, torch.randint(0, CFG["vocab_size"], BATCH), torch.optim.AdamW(model.parameters(), lr=1e-4))
+    if world()[0] == 0:
+        draw(plan, path)
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n" and len(plan.timeline) == len(plan.collectives) + 5
+    return True
+
+
+def test_plans_are_drawn_from_simulated_and_real_runs(ranks, tmp_path):
+    assert all(ranks(2).run(_measured_picture, str(tmp_path / "real.png")))
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
+         "--input-shape", "2x16", "--mesh", "4", "--png", str(tmp_path / "sim")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "sim-4.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,8 @@
 """Plan before you launch: simulate a training step of this runtime at any world size on one CPU
-(``simulate``), and read what it needs per rank (``Plan``)."""
+(``simulate``), read what it needs per rank (``Plan``), estimate its time (``Plan.estimate``), let
+``recommend`` rank the usual settings, and draw it (``draw``, with matplotlib)."""
 
+from .draw import draw
 from .memory import CATEGORIES, LiveBytes, Snapshot
 from .simulate import Plan, default_shard_fn, measure, simulate
 from .recommend import Option, recommend
@@ -8,5 +10,5 @@ from .timing import PRESETS, Cluster, Link, StepTime
 
 __all__ = [
     "CATEGORIES", "PRESETS", "Cluster", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
-    "measure", "recommend", "simulate",
+    "draw", "measure", "recommend", "simulate",
 ]

@@ -9,6 +9,7 @@ not matter: every tensor is on the meta device).
 
 Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
+         --png PREFIX (a picture per mesh; needs matplotlib: pip install 'fully-shard[plot]')
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
     args = p.parse_args(argv)
     build = load_builder(args.builder)
     shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
@@ -101,6 +103,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
           f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps\n")
     print(table(plans))
+    if args.png:
+        from .draw import draw
+
+        for plan in plans:
+            path = f"{args.png}-{'x'.join(map(str, plan.mesh_shape))}.png"
+            draw(plan, path)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
