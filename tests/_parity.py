@@ -162,6 +162,28 @@ def _train_pair(model, ref, batch_fn, loss_of, steps: int, lr: float = 1e-2, spl
     return {"loss_diff": max(loss_diffs), "param_diff": max_param_diff(model, ref)}
 
 
+def train_routed(model, ref, route: list[int], steps: int = 3, lr: float = 1e-2) -> float:
+    """Expert-parallel training: the sharded ``model`` on this rank's slice of `mlp_batch`, the
+    single-process ``ref`` on the whole batch with slice ``i`` routed to expert ``route[i]``
+    (``ref(x, route)``), both with AdamW; returns the largest loss difference (float64)."""
+    rank, w = world()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    diffs = []
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ((ref(x, route) - y) ** 2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        diffs.append(abs(global_mean(loss) - ref_loss.item()))
+    return max(diffs)
+
+
 def max_abs_diff(ours: nn.Module, theirs: nn.Module) -> float:
     """Largest difference between two sharded (or plain) models' full parameters, matched by
     position; 0.0 means every parameter is ``torch.equal``."""
@@ -188,4 +210,5 @@ def assert_float64(model: nn.Module) -> None:
 __all__ = [
     "F64", "LLAMA_LR", "WithGenerate", "sharded_generate_model", "STEPS", "TOL64", "_llama_loss", "_mlp_loss", "_train_pair", "assert_float64", "check",
     "global_mean", "llama64", "llama_batch", "make_mlp", "max_abs_diff", "mlp_batch", "nested_mlp_and_reference", "shard_llama", "shard_mlp",
+    "train_routed",
 ]

@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from rank_utils import cpu_mesh, full, global_mean, max_param_diff, world
-from _parity import STEPS, TOL64, check, _mlp_loss, _train_pair, make_mlp, mlp_batch
+from rank_utils import cpu_mesh, full, max_param_diff, world
+from _parity import STEPS, TOL64, check, _mlp_loss, _train_pair, make_mlp, mlp_batch, train_routed
 
 # (replicate, shard) shapes per world size: every split, the degenerate ones included.
 HSDP_SHAPES = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}
@@ -389,26 +389,12 @@ def _moe(api: str) -> dict:
     model = _moe_sharded(fully_shard, api, mesh, rank, w, m)
     ref = _MoE(ep)
     meshes = sorted({p.device_mesh.size() for p in model.parameters() if hasattr(p, "device_mesh")})
-    route = [r // m for r in range(w)]
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    loss_diffs = []
-    for step in range(3):
-        x, y = mlp_batch(step)
-        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ((ref(x, route) - y) ** 2).mean()
-        loss_diffs.append(abs(global_mean(loss) - ref_loss.item()))
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    loss_diff = train_routed(model, ref, [r // m for r in range(w)])
     ref_params = dict(ref.named_parameters())
     mine = {n: p for n, p in model.named_parameters() if not n.startswith("experts.") or n.startswith(f"experts.{model.ep}.")}
     diffs = [(p.full_tensor() - full(ref_params[n]).detach()).abs().max().item() for n, p in mine.items()]
     groups = len(model._get_fsdp_state().own)
-    return {"param_diff": max(diffs), "loss_diff": max(loss_diffs), "meshes": meshes, "groups": groups}
+    return {"param_diff": max(diffs), "loss_diff": loss_diff, "meshes": meshes, "groups": groups}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
