@@ -43,6 +43,7 @@ class AllGather:
     pending: Pending
     world: int
     members: list["FSDPParamGroup"]
+    extended: bool = False  # some member's parameter all-gathers through an extension (extension.py)
 
     def finish(self) -> None:
         """Wait for it, then copy out into every member still waiting for it (one that resharded
@@ -58,7 +59,7 @@ class AllGather:
         # Extension outputs may be the unsharded parameter's own data, which autograd saved:
         # writing them must not bump the version it checks (as for the plain path's own storage).
         ext = tuple(t for g, w in zip(self.members, waiting) if w for p in g.params if p.uses_extension
-                    for t in p.ext.outputs)  # type: ignore[union-attr]
+                    for t in p.ext.outputs) if self.extended else ()  # type: ignore[union-attr]
         with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
             flat = [t for ts in targets for t in ts]
             if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
@@ -274,7 +275,8 @@ class FSDPParamGroup:
         if world > 1:
             comm.record_collective(phase, label(members), "all_gather", dtype, output.numel(), group)
         what = f"the all_gather of '{label(members)}' ({phase})"
-        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=what), world, members)
+        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=what), world, members,
+                           extended=dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params))
         for g in members:
             g._all_gather = gather
 
