@@ -26,15 +26,32 @@ def _records(plan) -> list:
     return [(r.phase, r.module, r.op, str(r.dtype), r.nbytes, r.group_size) for r in plan.collectives]
 
 
-def _simulated(mesh_shape: tuple[int, ...], steps: int = 2) -> dict:
+def _tp_shard(model, mesh) -> None:
+    """Tensor parallel blocks over mesh["tp"], then fully_shard over mesh["dp"] (2-D parallelism)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fully_shard import fully_shard
+    from train_tp_fsdp import BLOCK_PLAN
+
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], BLOCK_PLAN)
+        layer.attention.n_heads //= mesh["tp"].size()
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _simulated(mesh_shape: tuple[int, ...], steps: int = 2, tp: bool = False) -> dict:
     """``simulate`` in a fresh process (it needs one without a process group)."""
+    extra = ', mesh_dim_names=("dp", "tp"), shard_fn=test_plan._tp_shard' if tp else ""
     code = f"""
 import json, sys, torch
 sys.path.insert(0, {os.path.join(os.path.dirname(HERE), 'examples')!r})
+sys.path.insert(0, {HERE!r})
 from llama_model import Llama, LlamaConfig
 from fully_shard.plan import simulate
+import test_plan
 plan = simulate(lambda: Llama(LlamaConfig(**{CFG!r})), torch.zeros({BATCH!r}, dtype=torch.long),
-                mesh_shape={mesh_shape!r}, steps={steps})
+                mesh_shape={mesh_shape!r}, steps={steps}{extra})
 print(json.dumps({{"peak": plan.peak_bytes, "params": plan.parameters, "world": plan.world_size,
     "collectives": [(r.phase, r.module, r.op, str(r.dtype), r.nbytes, r.group_size) for r in plan.collectives],
     "categories": plan.peak_snapshot.by_category, "fits": [plan.fits(plan.peak_bytes), plan.fits(plan.peak_bytes - 1)]}}))
@@ -44,25 +61,32 @@ print(json.dumps({{"peak": plan.peak_bytes, "params": plan.parameters, "world": 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _measured() -> dict:
+def _measured(tp: bool = False) -> dict:
     """The same model, settings and batch shape, really run on this rank (CPU/gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from llama_model import Llama, LlamaConfig
 
     from fully_shard.plan import default_shard_fn, measure
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CFG))
-    default_shard_fn(model, cpu_mesh())
+    if tp:
+        _tp_shard(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    else:
+        default_shard_fn(model, cpu_mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, CFG["vocab_size"], BATCH)
     plan = measure(model, x, opt, steps=2)
     return {"peak": plan.peak_bytes, "collectives": [list(r) for r in _records(plan)], "rank": world()[0]}
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_simulated_step_matches_a_real_run(ranks, world_size):
-    simulated = _simulated((world_size,))
-    real = ranks(world_size).run(_measured)
+@pytest.mark.parametrize("world_size,tp", [(2, False), (4, False), (4, True)])
+def test_simulated_step_matches_a_real_run(ranks, world_size, tp):
+    """1-D FSDP at 2 and 4 ranks, and 2 dp x 2 tp (tensor-parallel blocks: FSDP's collectives
+    over dp are compared; the TP layers' own collectives are DTensor's and not traced)."""
+    simulated = _simulated((2, 2) if tp else (world_size,), tp=tp)
+    real = ranks(world_size).run(_measured, tp)
     for r in real:
         assert r["collectives"] == simulated["collectives"], (r["collectives"], simulated["collectives"])
         error = abs(simulated["peak"] - r["peak"]) / r["peak"]
