@@ -360,12 +360,17 @@ def _moe_sharded(shard_fn, api: str, mesh, rank: int, w: int, m: int) -> "_MoE":
 
         on_sub = ShardPlacementResult(placement=Shard(0), mesh_info=FSDPMeshInfo(mesh=sub, shard_mesh_dim=0))
     else:
-        on_sub = ShardPlacement(None, mesh=sub)
+        on_sub = None  # sliced again for each parameter: equal meshes are one mesh (one group)
     others = {p for i, e in enumerate(model.experts) if i != model.ep for p in e.parameters()}
     for p in others:  # only this rank's expert is part of its model
         p.requires_grad_(False)
-    shard_fn(model, mesh=init_device_mesh("cpu", (w,)), ignored_params=others,
-             shard_placement_fn=lambda p: on_sub if id(p) in expert_params else None)
+
+    def placement(p):
+        if id(p) not in expert_params:
+            return None
+        return on_sub if on_sub is not None else ShardPlacement(None, mesh=mesh["dp_mod_ep"])
+
+    shard_fn(model, mesh=init_device_mesh("cpu", (w,)), ignored_params=others, shard_placement_fn=placement)
     model.set_gradient_divide_factor(float(w))
     return model
 

@@ -592,13 +592,14 @@ def _apply(
 def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_forward: Any) -> list[Any]:
     """Each parameter's mesh info: the call's, or the one ``shard_placement_fn`` chose (one
     `MeshInfo` per distinct mesh, so its parameters form one group), checked against the call."""
-    made: dict[int, Any] = {}
+    made: list[tuple[DeviceMesh, Any]] = []  # equal meshes (mesh["ep"] sliced twice is two objects) are one
     out = []
     for mesh in meshes:
-        if mesh is None or mesh is info.mesh:
+        if mesh is None or mesh is info.mesh or mesh == info.mesh:
             out.append(info)
             continue
-        if id(mesh) not in made:
+        known = next((i for m, i in made if m is mesh or m == mesh), None)
+        if known is None:
             other = mesh_info(mesh)
             if other.device.type != info.device.type:
                 raise ValueError(
@@ -615,8 +616,9 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
                         f"{e} The call's reshard_after_forward applies to the parameters shard_placement_fn put on "
                         f"another mesh {mesh} too. Fix: choose an int dividing both meshes' shard sizes, or True/False."
                     ) from None
-            made[id(mesh)] = other
-        out.append(made[id(mesh)])
+            made.append((mesh, other))
+            known = other
+        out.append(known)
     return out
 
 

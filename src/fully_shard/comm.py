@@ -45,7 +45,7 @@ class CollectiveObserver(Protocol):
 
     def add(
         self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        reduction: Optional["Reduction"] = None,
+        reduction: Optional["Reduction"] = None, rank_span: tuple[int, int] = (0, 0),
     ) -> None: ...
 
 
@@ -141,6 +141,7 @@ class CommContext:
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
         # Who watches the collectives issued under this root (fully_shard.debug.trace).
         self.tracers: list[CollectiveObserver] = []
+        self._spans: dict[str, tuple[int, int]] = {}  # group name -> (lowest, highest) global rank, for traces
         self.releaser = Releaser()
         weakref.finalize(self, self.releaser.close)
 
@@ -191,5 +192,9 @@ class CommContext:
         self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup,
         reduction: Optional["Reduction"] = None,
     ) -> None:
+        span = self._spans.get(group.group_name)
+        if span is None:  # once per group: which global ranks it spans
+            ranks = dist.get_process_group_ranks(group)
+            span = self._spans[group.group_name] = (min(ranks), max(ranks))
         for t in self.tracers:
-            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name, reduction)
+            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name, reduction, span)

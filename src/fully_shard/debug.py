@@ -51,6 +51,8 @@ class CollectiveRecord:
     reduce_op: str = ""
     pre_divide: float = 1.0
     post_divide: float = 1.0
+    # The lowest and highest global rank in the group (which nodes it spans: fully_shard.plan's timing).
+    rank_span: tuple[int, int] = (0, 0)
 
 
 @dataclass(eq=False)
@@ -67,10 +69,12 @@ class Trace:
 
     def add(
         self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        reduction: Optional["Reduction"] = None,
+        reduction: Optional["Reduction"] = None, rank_span: tuple[int, int] = (0, 0),
     ) -> None:
-        extra = () if reduction is None else (reduction.name, reduction.before, reduction.after)
-        self.records.append(CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name, *extra))
+        extra = ("", 1.0, 1.0) if reduction is None else (reduction.name, reduction.before, reduction.after)
+        self.records.append(
+            CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name, *extra, rank_span=rank_span)
+        )
 
     def select(
         self, *, op: Optional[str] = None, phase: Optional[str] = None, step: Optional[int] = None, module: Optional[str] = None

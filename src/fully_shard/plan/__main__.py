@@ -61,16 +61,17 @@ def _gib(nbytes: int) -> str:
 
 def table(plans: list[Plan]) -> str:
     """One row per plan: peak per rank, what is live at the peak point, bytes per step."""
-    head = ("| ranks | mesh | peak GiB/rank | sharded params | gradients | optimizer | unsharded params | comm buffers "
-            "| activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
-    rows = [head, "|" + "---|" * 12]
+    head = ("| ranks | mesh | peak GiB/rank | at the peak point | sharded params | gradients | optimizer | unsharded params "
+            "| comm buffers | buffers | activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
+    rows = [head, "|" + "---|" * 14]
     for plan in plans:
         cats = plan.peak_snapshot.by_category
         moved = plan.bytes_per_step()
         rows.append(
             f"| {plan.world_size} | {'x'.join(map(str, plan.mesh_shape))} | {_gib(plan.peak_bytes)} | "
+            f"{_gib(plan.peak_snapshot.total)} | "
             + " | ".join(_gib(cats[k]) for k in ("sharded_params", "gradients", "optimizer_state",
-                                                 "unsharded_params", "communication", "activations"))
+                                                 "unsharded_params", "communication", "buffers", "activations"))
             + " | " + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")) + " |"
         )
     return "\n".join(rows)
@@ -87,8 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
     args = p.parse_args(argv)
+    meshes = [parse_mesh(m) for m in args.mesh]  # all checked before any simulation runs
+    try:
+        shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--input-shape takes sizes joined by x (e.g. 1x2048), got {args.input_shape!r}") from None
     build = load_builder(args.builder)
-    shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
     mp = None
     if args.param_dtype == "bf16":
@@ -96,12 +101,14 @@ def main(argv: list[str] | None = None) -> None:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plans = [
-        simulate(build, inputs, mesh_shape=parse_mesh(m), mp_policy=mp, steps=args.steps,
+        simulate(build, inputs, mesh_shape=m, mp_policy=mp, steps=args.steps,
                  optimizer=None if args.optimizer == "none" else args.optimizer)
-        for m in args.mesh
+        for m in meshes
     ]
     print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
-          f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps\n")
+          f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps. "
+          "'peak' is the op-level peak; the categories split the timeline point with the most bytes "
+          "('at the peak point'); the difference is one op's temporaries.\n")
     print(table(plans))
     if args.png:
         from .draw import draw

@@ -10,7 +10,7 @@ from .simulate import GiB, Plan
 
 COLORS = {
     "sharded_params": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-    "unsharded_params": "#c44e52", "communication": "#8172b3", "activations": "#937860",
+    "unsharded_params": "#c44e52", "communication": "#8172b3", "buffers": "#da8bc3", "activations": "#937860",
 }
 
 

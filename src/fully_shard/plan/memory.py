@@ -6,12 +6,17 @@ reference to the storage) or is resized (``UntypedStorage.resize_``, which the e
 free unsharded parameters, is wrapped while the counter runs). ``peak`` is the largest total
 seen after any op. ``snapshot(label)`` records the total split by what the engine knows each
 storage to be (`categories`): sharded parameters, gradients, optimizer state, unsharded
-parameters, communication buffers; the rest is activations and temporaries.
+parameters, communication buffers, module buffers; the rest is activations and temporaries.
+
+Not seen: storages grown through ``Tensor.resize_`` (not the engine's way), and the inner tensors
+of wrapper subclasses other than DTensor (all-gather extensions' weights): count those yourself.
+Frees may come from the engine's release thread, so the counts are kept under a lock.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -21,7 +26,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-CATEGORIES = ("sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "activations")
+CATEGORIES = (
+    "sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "buffers", "activations",
+)
 
 
 @dataclass
@@ -50,6 +57,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.timeline: list[Snapshot] = []
         self._orig_resize: Any = None
+        self._lock = threading.Lock()
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -68,21 +76,24 @@ class LiveBytes(TorchDispatchMode):
         if key in self.sizes:
             return
         nbytes = storage.nbytes()
-        self.sizes[key] = nbytes
-        self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            self.sizes[key] = nbytes
+            self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
 
     def _freed(self, key: int, _ref: Any) -> None:
-        self.current -= self.sizes.pop(key, 0)
-        self._refs.pop(key, None)
+        with self._lock:
+            self.current -= self.sizes.pop(key, 0)
+            self._refs.pop(key, None)
 
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = storage._cdata
-        if key in self.sizes:
-            self.current += nbytes - self.sizes[key]
-            self.sizes[key] = nbytes
-            self.peak = max(self.peak, self.current)
+        with self._lock:
+            if key in self.sizes:
+                self.current += nbytes - self.sizes[key]
+                self.sizes[key] = nbytes
+                self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -90,20 +101,24 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __enter__(self) -> "LiveBytes":
+        if self._orig_resize is not None:
+            raise RuntimeError("LiveBytes is already counting; enter it once at a time.")
+        result = super().__enter__()
         self._orig_resize = orig = torch.UntypedStorage.resize_
         counter = self
 
         @functools.wraps(orig)
         def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-            result = orig(storage, size)
+            out = orig(storage, size)
             counter._resized(storage, size)
-            return result
+            return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        return super().__enter__()
+        return result
 
     def __exit__(self, *exc: Any) -> Any:
         torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+        self._orig_resize = None
         return super().__exit__(*exc)
 
     # -- snapshots ------------------------------------------------------------------------------
@@ -111,15 +126,18 @@ class LiveBytes(TorchDispatchMode):
     def snapshot(self, label: str) -> None:
         known = self.categories() if self.categories is not None else {}
         split = dict.fromkeys(CATEGORIES, 0)
-        for key, nbytes in self.sizes.items():
+        with self._lock:
+            sizes, total = list(self.sizes.items()), self.current
+        for key, nbytes in sizes:
             split[known.get(key, "activations")] += nbytes
-        self.timeline.append(Snapshot(label, self.current, split))
+        self.timeline.append(Snapshot(label, total, split))
 
 
 def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
     """What the engine holds under these `FSDPState` s, by storage: sharded parameters, their
-    gradients (sharded and unsharded), unsharded parameters, collectives' buffers; and the
-    optimizers' state."""
+    gradients (sharded, unsharded, deferred HSDP sums, waiting in a bucket), unsharded parameters
+    (and shares kept by ``reshard_after_forward=int``), collectives' buffers, module buffers; and
+    the optimizers' state."""
     out: dict[int, str] = {}
 
     def put(t: Any, category: str) -> None:
@@ -133,7 +151,15 @@ def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]
             for v in entry.values():
                 put(v, "optimizer_state")
     for state in states:
+        for module in state.modules:
+            for b in module.buffers():
+                put(b, "buffers")
         for group in state.own:
+            put(group._post_forward_shard, "unsharded_params")
+            if group.bucket is not None:
+                for _, _, grads in group.bucket._stash:
+                    for g in grads:
+                        put(g, "gradients")
             gather = group._all_gather
             if gather is not None:
                 for t in gather.pending.keep_alive:
@@ -145,6 +171,7 @@ def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]
                         put(t, "unsharded_params")
                 put(p.padded_shard if p.padded_shard is not None else p.local_shard, "sharded_params")
                 put(p.sharded_param.grad, "gradients")
+                put(p.partial_reduce, "gradients")
                 if p.unsharded_param is not None:
                     put(p.unsharded_param.grad, "gradients")
         ctx = state.ctx

@@ -50,6 +50,8 @@ def recommend(
     (bf16 reduces in fp32; fp32 compute is priced at 1/8 of the cluster's bf16 rate). Returns the
     options that fit ``bytes_per_rank`` first, fastest first, then the rest, smallest first."""
     if isinstance(cluster, str):
+        if cluster not in PRESETS:
+            raise ValueError(f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster.")
         cluster = PRESETS[cluster]
     node = cluster.gpus_per_node
     sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]

@@ -83,14 +83,17 @@ class Plan:
 
 
 def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_after_forward: Any = None) -> None:
-    """Every block (the children of the model's largest ``nn.ModuleList``), then the root."""
+    """Every block (the children of the outermost ``nn.ModuleList`` holding the most parameters,
+    e.g. ``model.layers``), then the root."""
     from ..api import fully_shard
     from ..policy import MixedPrecisionPolicy
 
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if lists:
-        for block in max(lists, key=len):
+    nested = {id(inner) for outer in lists for inner in outer.modules() if inner is not outer and isinstance(inner, nn.ModuleList)}
+    outer = [m for m in lists if id(m) not in nested]  # not the experts inside each layer of an MoE
+    if outer:
+        for block in max(outer, key=lambda m: sum(p.numel() for p in m.parameters())):
             fully_shard(block, **kwargs)
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})  # the root keeps its parameters for backward
 
@@ -151,10 +154,15 @@ def simulate(
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(n) for n in mesh_shape)
+    if len(shape) not in (1, 2) or min(shape) < 1:
+        raise ValueError(
+            f"simulate(mesh_shape={tuple(mesh_shape)}): a 1-D (FSDP) or 2-D (replicate, shard) shape of positive sizes; "
+            "tensor-parallel dims go in mesh_dim_names with a shard_fn that slices them."
+        )
     world = math.prod(shape)
     token = SIMULATING.set(True)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         names = tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         with torch.device("meta"):
@@ -168,8 +176,11 @@ def simulate(
         return measure(model, _to_meta(sample_inputs), opt, steps=steps, loss_fn=loss_fn, mesh_shape=shape,
                        parameters=n_params)
     finally:
-        dist.destroy_process_group()
-        SIMULATING.reset(token)
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            SIMULATING.reset(token)
 
 
 def measure(
@@ -193,6 +204,9 @@ def measure(
     counter = LiveBytes(device.type, lambda: engine_categories(states, [optimizer] if optimizer is not None else []))
     counter.track(model.parameters())
     counter.track(model.buffers())
+    counter.track(p.grad for p in model.parameters())
+    if optimizer is not None:  # state from earlier steps (or a checkpoint) is live from the start
+        counter.track(v for entry in optimizer.state.values() for v in entry.values())
     if mesh_shape is None:
         mesh_shape = tuple(root.info.mesh.shape)
     for _ in range(steps):

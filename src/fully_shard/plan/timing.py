@@ -8,8 +8,8 @@ Collectives (ring algorithms, as NCCL runs them at these sizes), for ``n`` ranks
 * all-reduce: twice that.
 
 ``alpha`` (latency per ring step) and ``beta`` (bytes per second per rank) come from the link the
-group crosses: ranks within one node (consecutive ranks, at most ``gpus_per_node``) use the
-intra-node link, any wider group the inter-node one.
+group crosses: a group whose ranks all sit on one node (nodes are ``gpus_per_node`` consecutive
+global ranks) uses the intra-node link, any other group the inter-node one.
 
 Compute: ``2 * parameters * tokens`` FLOPs forward and twice that backward per module (the usual
 dense-layer count; attention's sequence-squared term is left out), at ``flops`` per second.
@@ -46,8 +46,9 @@ class Cluster:
     inter: Link
     flops: float  # achieved FLOP/s of one device for the model's matmuls
 
-    def link(self, ranks: int) -> Link:
-        return self.intra if ranks <= self.gpus_per_node else self.inter
+    def link(self, first_rank: int, last_rank: int) -> Link:
+        """The link a group of global ranks ``first_rank .. last_rank`` crosses."""
+        return self.intra if first_rank // self.gpus_per_node == last_rank // self.gpus_per_node else self.inter
 
 
 # Presets (achieved, not peak): 8 H100s per node on NVLink 4 (NCCL all-gather bus bandwidth about
@@ -60,10 +61,11 @@ PRESETS = {
 }
 
 
-def collective_seconds(op: str, nbytes: int, ranks: int, cluster: Cluster) -> float:
+def collective_seconds(op: str, nbytes: int, ranks: int, cluster: Cluster, span: tuple[int, int] = (0, 0)) -> float:
+    """One collective of ``ranks`` ranks whose global ranks lie in ``span`` (default: within one node)."""
     if ranks <= 1:
         return 0.0
-    link = cluster.link(ranks)
+    link = cluster.link(*span)
     one = (ranks - 1) * link.latency_s + (ranks - 1) / ranks * nbytes / link.bytes_per_s
     return 2 * one if op == "all_reduce" else one
 
@@ -84,29 +86,30 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     """The step time of ``plan`` on ``cluster`` with ``tokens`` tokens per rank per step."""
     rate = flops if flops is not None else cluster.flops
     fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}
-    cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster) for r in plan.collectives}
+    cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span) for r in plan.collectives}
 
     def members(label: str) -> list[str]:
         return [m if m != "<root>" else "" for m in label.split("+")]
 
-    def compute(label: str, scale: float) -> float:
-        return scale * sum(fwd.get(m, 0.0) for m in members(label))
-
     forward = [r for r in plan.collectives if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
     backward = [r for r in plan.collectives if r.phase not in ("forward", "forward_prefetch")]
-    # Forward: module i computes while the next all-gather runs.
+    # Forward: module i computes while the next all-gather runs. A module whose parameters are on
+    # several meshes has an all-gather per mesh: its compute counts once.
     f_time = cost[id(forward[0])] if forward else 0.0
+    counted: set[str] = set()
     for i, r in enumerate(forward):
         nxt = cost[id(forward[i + 1])] if i + 1 < len(forward) else 0.0
-        f_time += max(compute(r.module, 1.0), nxt)
-    gathered = {m for r in forward for m in members(r.module)}
-    f_time += sum(fwd[m] for m in fwd if m not in gathered)  # modules without a collective of their own
+        new = [m for m in members(r.module) if m not in counted]
+        counted.update(new)
+        f_time += max(sum(fwd.get(m, 0.0) for m in new), nxt)
+    f_time += sum(fwd[m] for m in fwd if m not in counted)  # modules without a collective of their own
     # Backward, in the order the collectives were issued: each module's compute overlaps the
     # communication issued while it runs (the next prefetch, the previous module's reductions).
     b_compute = 2 * sum(fwd.values())
     comm = sum(cost[id(r)] for r in backward)
-    exposed_b = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0
-    b_time = max(b_compute, comm) + exposed_b + (cost[id(backward[-1])] if backward and backward[-1].op != "all_gather" else 0.0)
+    first = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0  # before any compute
+    last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it
+    b_time = max(b_compute, comm - first - last) + first + last
     total_comm = sum(cost.values())
     step = f_time + b_time
     compute_total = 3 * sum(fwd.values())
