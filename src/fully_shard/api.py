@@ -560,7 +560,7 @@ def _apply(
     infos = _param_meshes(info, [mesh for _, mesh in choices], reshard_after_forward)
     for one, param_info in zip(found.own, infos):
         check_params([one], param_info)
-    warn_uneven_complex(found.own, shard_dims, info)
+    warn_uneven_complex(found.own, shard_dims, infos)
     offloads = [choose_offload(param, places[0].fqn) for param, places in found.own]  # a bad choice raises here
     # Every check has passed; from here on nothing raises on user input.
     install_optimizer_check()

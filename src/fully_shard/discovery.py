@@ -81,11 +81,11 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
     return Found(list(own.values()), list(borrowed.values()))
 
 
-def warn_uneven_complex(own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], info: MeshInfo) -> None:
+def warn_uneven_complex(own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], infos: list[MeshInfo]) -> None:
     """A trainable complex parameter whose shard dim does not divide evenly over the ranks trains
     with SGD, but Adam / AdamW update complex parameters through ``view_as_real``, which on an
     unevenly sharded DTensor returns a copy: they would silently never update it."""
-    for (param, places), dim in zip(own, shard_dims):
+    for (param, places), dim, info in zip(own, shard_dims, infos):
         if param.is_complex() and param.requires_grad and param.dim() and param.shape[dim] % info.world_size:
             warnings.warn(
                 f"parameter '{places[0].fqn}' is complex with dim {dim} of size {param.shape[dim]}, which does not "
