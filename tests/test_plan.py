@@ -27,22 +27,28 @@ def _records(plan) -> list:
 
 
 def _tp_shard(model, mesh) -> None:
-    """Tensor parallel blocks over mesh["tp"], then fully_shard over mesh["dp"] (2-D parallelism)."""
+    """Tensor parallel blocks over mesh["tp"], then fully_shard over the other dims: mesh["dp"]
+    (2-D parallelism) or mesh["rep", "shard"] (HSDP x TP on a 3-D mesh)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from fully_shard import fully_shard
     from train_tp_fsdp import BLOCK_PLAN
 
+    dp = mesh["dp"] if mesh.ndim == 2 else mesh["rep", "shard"]
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], BLOCK_PLAN)
         layer.attention.n_heads //= mesh["tp"].size()
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+
+
+def _names(shape: tuple[int, ...]) -> tuple[str, ...]:
+    return ("dp", "tp") if len(shape) == 2 else ("rep", "shard", "tp")
 
 
 def _simulated(mesh_shape: tuple[int, ...], steps: int = 2, tp: bool = False) -> dict:
     """``simulate`` in a fresh process (it needs one without a process group)."""
-    extra = ', mesh_dim_names=("dp", "tp"), shard_fn=test_plan._tp_shard' if tp else ""
+    extra = f", mesh_dim_names={_names(mesh_shape)!r}, shard_fn=test_plan._tp_shard" if tp else ""
     code = f"""
 import json, sys, torch
 sys.path.insert(0, {os.path.join(os.path.dirname(HERE), 'examples')!r})
@@ -61,7 +67,7 @@ print(json.dumps({{"peak": plan.peak_bytes, "params": plan.parameters, "world": 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _measured(tp: bool = False) -> dict:
+def _measured(tp: tuple[int, ...] = ()) -> dict:
     """The same model, settings and batch shape, really run on this rank (CPU/gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -72,7 +78,7 @@ def _measured(tp: bool = False) -> dict:
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CFG))
     if tp:
-        _tp_shard(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        _tp_shard(model, init_device_mesh("cpu", tp, mesh_dim_names=_names(tp)))
     else:
         default_shard_fn(model, cpu_mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -81,11 +87,12 @@ def _measured(tp: bool = False) -> dict:
     return {"peak": plan.peak_bytes, "collectives": [list(r) for r in _records(plan)], "rank": world()[0]}
 
 
-@pytest.mark.parametrize("world_size,tp", [(2, False), (4, False), (4, True)])
+@pytest.mark.parametrize("world_size,tp", [(2, ()), (4, ()), (4, (2, 2)), (4, (2, 1, 2))])
 def test_simulated_step_matches_a_real_run(ranks, world_size, tp):
-    """1-D FSDP at 2 and 4 ranks, and 2 dp x 2 tp (tensor-parallel blocks: FSDP's collectives
-    over dp are compared; the TP layers' own collectives are DTensor's and not traced)."""
-    simulated = _simulated((2, 2) if tp else (world_size,), tp=tp)
+    """1-D FSDP at 2 and 4 ranks, 2 dp x 2 tp, and HSDP x TP on a 3-D (2 rep, 1 shard, 2 tp) mesh
+    (tensor-parallel blocks: FSDP's collectives are compared; the TP layers' own collectives are
+    DTensor's and not traced)."""
+    simulated = _simulated(tp or (world_size,), tp=bool(tp))
     real = ranks(world_size).run(_measured, tp)
     for r in real:
         assert r["collectives"] == simulated["collectives"], (r["collectives"], simulated["collectives"])

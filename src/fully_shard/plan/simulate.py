@@ -154,15 +154,19 @@ def simulate(
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(int(n) for n in mesh_shape)
-    if len(shape) not in (1, 2) or min(shape) < 1:
+    if not shape or min(shape) < 1 or (shard_fn is None and len(shape) > 2):
         raise ValueError(
-            f"simulate(mesh_shape={tuple(mesh_shape)}): a 1-D (FSDP) or 2-D (replicate, shard) shape of positive sizes; "
-            "tensor-parallel dims go in mesh_dim_names with a shard_fn that slices them."
+            f"simulate(mesh_shape={tuple(mesh_shape)}): sizes must be positive, and without a shard_fn the mesh is 1-D "
+            "(FSDP) or 2-D (replicate, shard). Fix: for tensor-parallel (or other) dims, name them in mesh_dim_names "
+            "and pass a shard_fn that slices the mesh (e.g. parallelize_module over mesh['tp'], fully_shard over "
+            "mesh['dp'])."
         )
     world = math.prod(shape)
     token = SIMULATING.set(True)
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
+            raise ValueError(f"simulate: {len(mesh_dim_names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}.")
         names = tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         with torch.device("meta"):
