@@ -12,6 +12,7 @@ Options: --steps N --accum K (micro-batches per step, the first K-1 under no_syn
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -62,7 +63,7 @@ def main() -> None:
         x, y = inputs.chunk(world)[rank], targets.chunk(world)[rank]
         total = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(args.accum), y.chunk(args.accum))):
-            with model.no_sync() if i < args.accum - 1 else _nothing():
+            with model.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
                 loss = loss_fn(model(xm), ym) / args.accum
                 loss.backward()
             total += loss.item()
@@ -81,14 +82,6 @@ def main() -> None:
         if args.save:
             torch.save({"model": model_state, "optim": optim_state}, args.save)
     shutdown()
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return False
 
 
 if __name__ == "__main__":

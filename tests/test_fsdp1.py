@@ -9,6 +9,7 @@ float64 single-process reference instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 
@@ -85,11 +86,11 @@ def _train(model, opt, case: dict, dtype: torch.dtype, steps: int, split) -> lis
         total = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
             last = i == micro - 1
-            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else _null()
+            ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
             with ctx:
                 loss = ((model(xm) - ym) ** 2).mean() / micro
                 loss.backward()
-            total += loss.item() if not isinstance(loss, float) else loss
+            total += loss.item()
         if case.get("clip"):
             norm = model.clip_grad_norm_(0.05) if hasattr(model, "clip_grad_norm_") else torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             case.setdefault("_norms", []).append(float(norm))
@@ -97,14 +98,6 @@ def _train(model, opt, case: dict, dtype: torch.dtype, steps: int, split) -> lis
         opt.zero_grad()
         losses.append(total)
     return losses
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _full(lib, model) -> dict:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from ..debug import CollectiveRecord, trace
 from ..mesh import SIMULATING
@@ -109,16 +110,6 @@ def _optimizer(choice: Union[str, Callable, None], params: list[nn.Parameter]) -
     return kinds[choice](params, lr=1e-4)
 
 
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_meta(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
-    return x
-
-
 def simulate(
     build_model: Callable[[], nn.Module],
     sample_inputs: Any,
@@ -177,7 +168,7 @@ def simulate(
         else:
             shard_fn(model, mesh)
         opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        return measure(model, _to_meta(sample_inputs), opt, steps=steps, loss_fn=loss_fn, mesh_shape=shape,
+        return measure(model, tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs), opt, steps=steps, loss_fn=loss_fn, mesh_shape=shape,
                        parameters=n_params)
     finally:
         try:
