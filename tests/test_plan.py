@@ -90,10 +90,24 @@ def _measured(tp: tuple[int, ...] = ()) -> dict:
 @pytest.mark.parametrize("world_size,tp", [(2, ()), (4, ()), (4, (2, 2)), (4, (2, 1, 2))])
 def test_simulated_step_matches_a_real_run(ranks, world_size, tp):
     """1-D FSDP at 2 and 4 ranks, 2 dp x 2 tp, and HSDP x TP on a 3-D (2 rep, 1 shard, 2 tp) mesh
-    (tensor-parallel blocks: FSDP's collectives are compared; the TP layers' own collectives are
-    DTensor's and not traced)."""
+    (tensor-parallel blocks: FSDP's collectives and the TP layers' own, DTensor's, in one list)."""
     simulated = _simulated(tp or (world_size,), tp=bool(tp))
     real = ranks(world_size).run(_measured, tp)
+    dtensor = [c for c in simulated["collectives"] if c[0].startswith("dtensor_")]
+    if tp:
+        # Per block: forward, the two row-wise outputs (attention.wo, feed_forward.w2) Partial ->
+        # Replicate; backward, the five column-wise inputs' gradients (wq, wk, wv, w1, w3). Each is
+        # an all-reduce of one rank's activations (tokens x dim, fp32) over the tp group.
+        act = BATCH[0] * BATCH[1] * CFG["dim"] * 4
+        layers = CFG["n_layers"]
+        assert [(c[0], c[2], c[4], c[5]) for c in dtensor] == (
+            [("dtensor_forward", "all_reduce", act, 2)] * (2 * layers) + [("dtensor_backward", "all_reduce", act, 2)] * (5 * layers)
+        ), dtensor
+        assert [c[1] for c in dtensor if c[0] == "dtensor_forward"] == [
+            f"layers.{i}.{m}" for i in range(layers) for m in ("attention", "feed_forward")
+        ]
+    else:
+        assert dtensor == []
     for r in real:
         assert r["collectives"] == simulated["collectives"], (r["collectives"], simulated["collectives"])
         error = abs(simulated["peak"] - r["peak"]) / r["peak"]
@@ -171,6 +185,18 @@ def test_collective_and_step_time_model():
     backward = max(2 * 2.2e-3, r) + g + r  # the first all-gather and the last reduction exposed, the rest overlapped
     assert t.step_s == pytest.approx(forward + backward, rel=1e-12) and t.compute_s == pytest.approx(3 * 2.2e-3)
     assert t.communication_s == pytest.approx(3 * g + 2 * r)
+
+    # Tensor parallel: DTensor's all-reduces block their unit's compute (forward: a's 2 ms grows by
+    # one; backward: the pass's compute grows by two).
+    tp = collective_seconds("all_reduce", 10**8, 4, cluster)
+    plan.collectives = [*records[:2], rec("dtensor_forward", "a.attention", "all_reduce", 10**8), *records[2:4],
+                        rec("dtensor_backward", "a.mlp", "all_reduce", 10**8), rec("dtensor_backward", "a", "all_reduce", 10**8),
+                        records[4]]
+    t = plan.estimate(cluster)
+    forward = g + max(0.2e-3, g) + max(2e-3 + tp, 0.0)
+    backward = max(2 * 2.2e-3 + 2 * tp, r) + g + r
+    assert t.step_s == pytest.approx(forward + backward, rel=1e-12) and t.compute_s == pytest.approx(3 * 2.2e-3)
+    assert t.communication_s == pytest.approx(3 * g + 2 * r + 3 * tp)
 
 
 def test_recommend_ranks_the_settings_that_fit():

@@ -34,7 +34,9 @@ class CollectiveRecord:
     ``step`` counts root forwards inside the trace (0, 1, ...). ``phase`` says why it ran:
     ``forward``, ``backward``, ``forward_prefetch``, ``backward_prefetch``, ``explicit``
     (``FSDPModule.unshard``), ``unsharded_context``, or ``end_of_backward`` (a reduce-scatter the
-    end-of-backward callback issued because no post-backward signal fired for that group).
+    end-of-backward callback issued because no post-backward signal fired for that group); with
+    ``trace(dtensor=True)`` also ``dtensor_forward`` / ``dtensor_backward`` (DTensor's own
+    collectives, e.g. tensor parallel's; ``module`` is then the innermost module running).
     ``nbytes`` is the size of the all-gather output / reduce-scatter input on this rank.
     """
 
@@ -111,12 +113,22 @@ _ACTIVE: ContextVar[tuple[Trace, ...]] = ContextVar("fully_shard_active_traces",
 
 
 @contextlib.contextmanager
-def trace() -> Iterator[Trace]:
-    """Record the collectives of every root whose forward or unshard starts inside this block."""
+def trace(dtensor: bool = False) -> Iterator[Trace]:
+    """Record the collectives of every root whose forward or unshard starts inside this block.
+
+    ``dtensor=True`` also records DTensor's own collectives run in this thread (tensor and
+    sequence parallel layers, redistributes), phase ``dtensor_forward`` / ``dtensor_backward``
+    (see `fully_shard.funcol_trace`; it watches every op, so it slows the step)."""
     t = Trace()
     token = _ACTIVE.set(_ACTIVE.get() + (t,))
     try:
-        yield t
+        if dtensor:
+            from .funcol_trace import FunctionalCollectiveTrace
+
+            with FunctionalCollectiveTrace(t):
+                yield t
+        else:
+            yield t
     finally:
         _ACTIVE.reset(token)
         for observers in t._attached:

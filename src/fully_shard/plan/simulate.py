@@ -207,7 +207,7 @@ def measure(
     for _ in range(steps):
         counter.timeline.clear()
         counter.peak = counter.current
-        with trace() as t, counter, _SnapshotAtCollectives(counter, ctx.comm):
+        with trace(dtensor=True) as t, counter, _SnapshotAtCollectives(counter, ctx.comm):
             counter.snapshot("step start")
             if isinstance(inputs, dict):
                 output = model(**inputs)

@@ -11,6 +11,10 @@ Collectives (ring algorithms, as NCCL runs them at these sizes), for ``n`` ranks
 group crosses: a group whose ranks all sit on one node (nodes are ``gpus_per_node`` consecutive
 global ranks) uses the intra-node link, any other group the inter-node one.
 
+DTensor's collectives (tensor parallel layers; phases ``dtensor_forward`` / ``dtensor_backward``)
+are priced the same way and added to the compute of the unit that runs them: the layer waits for
+them, and FSDP's collectives overlap them as they overlap compute.
+
 Compute: ``2 * parameters * tokens`` FLOPs forward and twice that backward per module (the usual
 dense-layer count; attention's sequence-squared term is left out), at ``flops`` per second.
 
@@ -82,17 +86,35 @@ class StepTime:
                 f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms)")
 
 
+def _unit(module: str, units: dict[str, int]) -> str:
+    """The fully_shard unit (a key of ``Plan.module_params``, "" = the root) holding ``module``."""
+    inside = [u for u in units if u and (module == u or module.startswith(u + "."))]
+    return max(inside, key=len, default="")
+
+
 def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float] = None) -> StepTime:
     """The step time of ``plan`` on ``cluster`` with ``tokens`` tokens per rank per step."""
     rate = flops if flops is not None else cluster.flops
     fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}
     cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span) for r in plan.collectives}
+    # DTensor's collectives (tensor parallel) block the compute that needs them: they count as
+    # their unit's compute, forward or backward.
+    tp_fwd = dict.fromkeys(fwd, 0.0)
+    tp_bwd = 0.0
+    for r in plan.collectives:
+        if r.phase == "dtensor_forward":
+            unit = _unit(r.module, fwd)
+            tp_fwd[unit] = tp_fwd.get(unit, 0.0) + cost[id(r)]
+        elif r.phase == "dtensor_backward":
+            tp_bwd += cost[id(r)]
+    work = {m: fwd.get(m, 0.0) + tp_fwd.get(m, 0.0) for m in {*fwd, *tp_fwd}}
 
     def members(label: str) -> list[str]:
         return [m if m != "<root>" else "" for m in label.split("+")]
 
-    forward = [r for r in plan.collectives if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
-    backward = [r for r in plan.collectives if r.phase not in ("forward", "forward_prefetch")]
+    fsdp = [r for r in plan.collectives if not r.phase.startswith("dtensor_")]
+    forward = [r for r in fsdp if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
+    backward = [r for r in fsdp if r.phase not in ("forward", "forward_prefetch")]
     # Forward: module i computes while the next all-gather runs. A module whose parameters are on
     # several meshes has an all-gather per mesh: its compute counts once.
     f_time = cost[id(forward[0])] if forward else 0.0
@@ -101,11 +123,11 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
         nxt = cost[id(forward[i + 1])] if i + 1 < len(forward) else 0.0
         new = [m for m in members(r.module) if m not in counted]
         counted.update(new)
-        f_time += max(sum(fwd.get(m, 0.0) for m in new), nxt)
-    f_time += sum(fwd[m] for m in fwd if m not in counted)  # modules without a collective of their own
+        f_time += max(sum(work.get(m, 0.0) for m in new), nxt)
+    f_time += sum(work[m] for m in work if m not in counted)  # modules without a collective of their own
     # Backward, in the order the collectives were issued: each module's compute overlaps the
     # communication issued while it runs (the next prefetch, the previous module's reductions).
-    b_compute = 2 * sum(fwd.values())
+    b_compute = 2 * sum(fwd.values()) + tp_bwd
     comm = sum(cost[id(r)] for r in backward)
     first = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0  # before any compute
     last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it

@@ -1,0 +1,100 @@
+"""DTensor's collectives in a trace: tensor parallel, sequence parallel and every other
+redistribute run PyTorch's functional collectives (``torch.ops._c10d_functional``), not ours, so
+the comm layer never sees them. This dispatch mode does, and reports each to a `debug.Trace` as a
+`CollectiveRecord` with phase ``dtensor_forward`` or ``dtensor_backward`` (autograd's backward is
+running), the innermost module running (PyTorch's ``ModuleTracker``; in backward it is exact to the
+block, approximate below it: sibling layers that read one input are in backward together), and the same byte
+convention as ours (all-gather output, reduce-scatter input, all-reduce buffer, all-to-all input).
+
+Off unless asked for (``fully_shard.debug.trace(dtensor=True)``; ``fully_shard.plan`` always asks):
+a dispatch mode sees every op.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+if TYPE_CHECKING:
+    from .debug import Trace
+
+
+def _nbytes(tensors: Any) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _first(tensors: Any) -> torch.Tensor:
+    return tensors if isinstance(tensors, torch.Tensor) else tensors[0]
+
+
+def _ops() -> dict[Any, tuple[str, Callable[[tuple, Any], int]]]:
+    """Functional collective -> (our op name, its bytes from (args, output))."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+
+    f = torch.ops._c10d_functional
+    return {
+        f.all_gather_into_tensor.default: ("all_gather", lambda a, out: _nbytes(out)),
+        f.all_gather_into_tensor_coalesced.default: ("all_gather", lambda a, out: _nbytes(out)),
+        f.reduce_scatter_tensor.default: ("reduce_scatter", lambda a, out: _nbytes(a[0])),
+        f.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", lambda a, out: _nbytes(a[0])),
+        f.all_reduce.default: ("all_reduce", lambda a, out: _nbytes(a[0])),
+        f.all_reduce_coalesced.default: ("all_reduce", lambda a, out: _nbytes(a[0])),
+        f.all_to_all_single.default: ("all_to_all", lambda a, out: _nbytes(a[0])),
+    }
+
+
+class FunctionalCollectiveTrace(TorchDispatchMode):
+    """Report each functional collective run inside it to ``trace`` (see the module docstring)."""
+
+    def __init__(self, trace: "Trace") -> None:
+        super().__init__()
+        self.trace = trace
+        self.ops = _ops()
+        self.modules = ModuleTracker()
+        self._groups: dict[str, tuple[int, tuple[int, int]]] = {}
+
+    def __enter__(self) -> "FunctionalCollectiveTrace":
+        self.modules.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self.modules.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.modules.__exit__(*exc)
+
+    def _group(self, name: str) -> tuple[int, tuple[int, int]]:
+        """A group's size and the lowest and highest global rank in it, once per group."""
+        if name not in self._groups:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(name)
+            ranks = dist.get_process_group_ranks(group)
+            self._groups[name] = (group.size(), (min(ranks), max(ranks)))
+        return self._groups[name]
+
+    def _module(self) -> str:
+        # Deepest first, then by name: ``parents`` is a set, and in backward it may hold siblings.
+        inner = max((p for p in self.modules.parents if p != "Global"), key=lambda p: (p.count("."), p), default="")
+        return inner.partition(".")[2] or "<root>"  # drop the root's class name
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        kind = self.ops.get(func)
+        if kind is not None:
+            op, nbytes = kind
+            name = (kwargs or {}).get("group_name", args[-1])
+            size, span = self._group(name)
+            phase = "dtensor_backward" if torch._C._current_graph_task_id() != -1 else "dtensor_forward"
+            self.trace.add(phase, self._module(), op, _first(args[0]).dtype, nbytes(args, out), size, name, rank_span=span)
+        return out
