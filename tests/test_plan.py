@@ -153,7 +153,35 @@ def test_command_line_prints_one_row_per_mesh():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and not line.startswith("| ranks")]
     assert [r.split("|")[1:3] for r in rows] == [[" 2 ", " 2 "], [" 4 ", " 2x2 "]], out.stdout
-    assert float(rows[1].split("|")[-2]) > 0  # HSDP: an all-reduce per step
+    assert float(rows[1].split("|")[14]) > 0  # HSDP: an all-reduce per step
+    assert float(rows[0].split("|")[15]) > 0  # the estimated step time
+    assert "Time: h100-nvlink-ib400-fp32, compute at 50 TFLOP/s" in out.stdout
+
+
+def test_compute_rate_measured_on_this_machine():
+    """``measure_flops`` times the model here and reports the rate the time model counts with: a
+    one-rank plan of the same model and batch, priced at that rate, computes for the measured time."""
+    from llama_model import Llama, LlamaConfig
+
+    from fully_shard.plan import Plan, measure_flops
+
+    x = torch.zeros(BATCH, dtype=torch.long)
+    rate = measure_flops(lambda: Llama(LlamaConfig(**CFG)), x, device="cpu", repeats=2)
+    model = Llama(LlamaConfig(**CFG))
+    n = sum(p.numel() for p in model.parameters())
+    assert (rate.parameters, rate.tokens, rate.device) == (n, BATCH[0] * BATCH[1], "cpu")
+    assert rate.seconds > 0 and rate.flops == 6 * n * rate.tokens / rate.seconds
+    plan = Plan((1,), 0, [], [], module_params={"": n}, tokens=rate.tokens)
+    assert plan.estimate("h100-nvlink-ib400-fp32", flops=rate.flops).compute_s == pytest.approx(rate.seconds, rel=1e-12)
+    with pytest.raises(ValueError, match="no tensor to count tokens"):
+        measure_flops(lambda: Llama(LlamaConfig(**CFG)), {}, device="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
+         "--input-shape", "2x16", "--mesh", "2", "--flops", "measure"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "measured on this machine (cpu): forward + backward" in out.stdout, out.stdout
 
 
 def test_collective_and_step_time_model():
@@ -255,3 +283,32 @@ def test_plans_are_drawn_from_simulated_and_real_runs(ranks, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     with open(tmp_path / "sim-4.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_live_bytes_counts_resizes_and_wrapper_subclasses():
+    """The counter itself, on plain CPU tensors: creation, frees, both resizes, and a wrapper
+    subclass (TwoTensor, as all-gather extensions use) counted by the tensors it wraps."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from fully_shard.plan import LiveBytes
+
+    counter = LiveBytes("cpu")
+    outside = TwoTensor(torch.zeros(4), torch.zeros(4))  # made before counting starts
+    with counter:
+        a = torch.empty(100)  # 400 bytes
+        assert counter.current == 400
+        a.resize_(300)  # Tensor.resize_ grows the storage
+        assert counter.current == 1200 and counter.peak == 1200
+        a.untyped_storage().resize_(0)  # the engine's way to free an unsharded parameter
+        assert counter.current == 0
+        b = torch.empty(10, dtype=torch.float64)
+        assert counter.current == 80
+        del b
+        assert counter.current == 0
+        counter.track([outside])  # tracked by its two 16-byte inner tensors
+        assert counter.current == 32
+        doubled = outside * 2  # made inside: the op's two inner outputs
+        assert counter.current == 64 and isinstance(doubled, TwoTensor)
+        del doubled
+        assert counter.current == 32
+    assert counter.peak == 1200

@@ -2,6 +2,7 @@
 (``simulate``), read what it needs per rank (``Plan``), estimate its time (``Plan.estimate``), let
 ``recommend`` rank the usual settings, and draw it (``draw``, with matplotlib)."""
 
+from .compute import ComputeRate, measure_flops
 from .draw import draw
 from .memory import CATEGORIES, LiveBytes, Snapshot
 from .simulate import Plan, default_shard_fn, measure, simulate
@@ -9,6 +10,6 @@ from .recommend import Option, recommend
 from .timing import PRESETS, Cluster, Link, StepTime
 
 __all__ = [
-    "CATEGORIES", "PRESETS", "Cluster", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
-    "draw", "measure", "recommend", "simulate",
+    "CATEGORIES", "PRESETS", "Cluster", "ComputeRate", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
+    "draw", "measure", "measure_flops", "recommend", "simulate",
 ]

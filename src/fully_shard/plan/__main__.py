@@ -7,8 +7,14 @@ the peak live tensor memory of one rank, what it holds at its peak, and what the
 per step. The input is one rank's batch: zeros of ``--input-shape`` and ``--input-dtype`` (values do
 not matter: every tensor is on the meta device).
 
+Each row also estimates the step time (`timing.estimate`) on ``--cluster`` (a preset; default the
+H100 one in the parameter dtype), computing at the preset's rate or at ``--flops``: a number of
+FLOP/s, or ``measure`` to time the model's forward and backward on this machine (`measure_flops`:
+it builds the model for real here).
+
 Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
+         --cluster PRESET --flops {N,measure}
          --png PREFIX (a picture per mesh; needs matplotlib: pip install 'fully-shard[plot]')
 """
 
@@ -24,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .simulate import GiB, Plan, simulate
+from .timing import PRESETS, StepTime
 
 DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "bf16": torch.bfloat16}
 
@@ -59,12 +66,15 @@ def _gib(nbytes: int) -> str:
     return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.1e}"
 
 
-def table(plans: list[Plan]) -> str:
-    """One row per plan: peak per rank, what is live at the peak point, bytes per step."""
+def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
+    """One row per plan: peak per rank, what is live at the peak point, bytes per step (and the
+    estimated step time, when ``times`` are given)."""
     head = ("| ranks | mesh | peak GiB/rank | at the peak point | sharded params | gradients | optimizer | unsharded params "
             "| comm buffers | buffers | activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
-    rows = [head, "|" + "---|" * 14]
-    for plan in plans:
+    if times is not None:
+        head += " est. step ms | exposed comm ms |"
+    rows = [head, "|" + "---|" * (14 + (2 if times is not None else 0))]
+    for i, plan in enumerate(plans):
         cats = plan.peak_snapshot.by_category
         moved = plan.bytes_per_step()
         rows.append(
@@ -73,6 +83,7 @@ def table(plans: list[Plan]) -> str:
             + " | ".join(_gib(cats[k]) for k in ("sharded_params", "gradients", "optimizer_state",
                                                  "unsharded_params", "communication", "buffers", "activations"))
             + " | " + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")) + " |"
+            + (f" {times[i].step_s * 1e3:.3g} | {times[i].exposed_s * 1e3:.3g} |" if times is not None else "")
         )
     return "\n".join(rows)
 
@@ -86,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument("--cluster", default=None, choices=sorted(PRESETS),
+                   help="preset for the time estimate (default: h100-nvlink-ib400 in the parameter dtype)")
+    p.add_argument("--flops", default=None, help="compute rate for the estimate: FLOP/s, or 'measure' (on this machine)")
     p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
     args = p.parse_args(argv)
     meshes = [parse_mesh(m) for m in args.mesh]  # all checked before any simulation runs
@@ -93,6 +107,15 @@ def main(argv: list[str] | None = None) -> None:
         shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--input-shape takes sizes joined by x (e.g. 1x2048), got {args.input_shape!r}") from None
+    flops: float | None = None
+    if args.flops is not None and args.flops != "measure":
+        try:
+            flops = float(args.flops)
+        except ValueError:
+            raise SystemExit(f"--flops takes FLOP/s (e.g. 4e14) or 'measure', got {args.flops!r}") from None
+        if flops <= 0:
+            raise SystemExit(f"--flops must be positive, got {args.flops!r}")
+    cluster = args.cluster or f"h100-nvlink-ib400-{args.param_dtype}"
     build = load_builder(args.builder)
     inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
     mp = None
@@ -105,11 +128,21 @@ def main(argv: list[str] | None = None) -> None:
                  optimizer=None if args.optimizer == "none" else args.optimizer)
         for m in meshes
     ]
+    if args.flops == "measure":
+        from .compute import measure_flops
+
+        rate = measure_flops(build, inputs, dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
+        flops = rate.flops
+        print(f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms "
+              f"= {rate.flops / 1e12:.3f} TFLOP/s")
+    times = [plan.estimate(cluster, flops=flops) for plan in plans]
+    rate_text = f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
     print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
           f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps. "
           "'peak' is the op-level peak; the categories split the timeline point with the most bytes "
-          "('at the peak point'); the difference is one op's temporaries.\n")
-    print(table(plans))
+          "('at the peak point'); the difference is one op's temporaries. Time: "
+          f"{cluster}, compute at {rate_text}.\n")
+    print(table(plans, times))
     if args.png:
         from .draw import draw
 

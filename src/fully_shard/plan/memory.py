@@ -8,9 +8,9 @@ seen after any op. ``snapshot(label)`` records the total split by what the engin
 storage to be (`categories`): sharded parameters, gradients, optimizer state, unsharded
 parameters, communication buffers, module buffers; the rest is activations and temporaries.
 
-Not seen: storages grown through ``Tensor.resize_`` (not the engine's way), and the inner tensors
-of wrapper subclasses other than DTensor (all-gather extensions' weights): count those yourself.
-Frees may come from the engine's release thread, so the counts are kept under a lock.
+Wrapper subclasses (DTensor, all-gather extensions' weights) are counted by their inner tensors;
+a storage grown or shrunk by ``Tensor.resize_`` is re-measured. Frees may come from the engine's
+release thread, so the counts are kept under a lock.
 """
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
 CATEGORIES = (
     "sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "buffers", "activations",
 )
+
+
+_RESIZES = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)
 
 
 @dataclass
@@ -69,8 +72,13 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, t: torch.Tensor) -> None:
         t = _local(t)
-        if t.device.type != self.device_type or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return  # another device, or a wrapper subclass (its inner tensors are counted themselves)
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            if is_traceable_wrapper_subclass(t):  # its storage is empty: count what it wraps
+                for name in t.__tensor_flatten__()[0]:
+                    self._add(getattr(t, name))
+            return
+        if t.device.type != self.device_type:
+            return
         storage = t.untyped_storage()
         key = storage._cdata
         if key in self.sizes:
@@ -97,6 +105,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func in _RESIZES and isinstance(args[0], torch.Tensor) and type(args[0]) in (torch.Tensor, torch.nn.Parameter):
+            storage = args[0].untyped_storage()
+            self._resized(storage, storage.nbytes())
         tree_map_only(torch.Tensor, self._add, out)
         return out
 

@@ -1,0 +1,84 @@
+"""Compute rate measured on this machine: the time model's ``flops`` for a given model, from a
+real forward and backward of it here (the alternative to a preset's number)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_map_only
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """What one measurement found: ``flops`` (per second) = ``6 * parameters * tokens / seconds``,
+    the count `timing.estimate` prices compute with, so a one-rank plan of the same model and
+    batch estimates ``seconds`` of compute again."""
+
+    flops: float
+    seconds: float  # median forward + backward time
+    parameters: int
+    tokens: int
+    device: str
+    dtype: Optional[torch.dtype]
+
+
+def _device() -> torch.device:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator if accelerator is not None else torch.device("cpu")
+
+
+def measure_flops(
+    build_model: Callable[[], nn.Module], sample_inputs: Any, *, device: Any = None, dtype: Optional[torch.dtype] = None,
+    repeats: int = 3, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+) -> ComputeRate:
+    """Build the model on ``device`` (default: this machine's accelerator, else the CPU) for real,
+    optionally cast to ``dtype`` (e.g. bfloat16, to price mixed-precision compute), and time
+    ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch) after one
+    warm-up. It allocates the whole model, its gradients and activations: for a model that does
+    not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
+    from .simulate import _tokens
+
+    if repeats < 1:
+        raise ValueError(f"measure_flops(repeats={repeats}): time at least one pass.")
+    tokens = _tokens(sample_inputs)
+    if tokens == 0:
+        raise ValueError("measure_flops: sample_inputs holds no tensor to count tokens from (token ids, or embeddings "
+                         "whose last dim is the hidden size). Fix: pass one rank's batch as a tensor, tuple or dict of tensors.")
+    where = torch.device(device) if device is not None else _device()
+    with torch.device(where):
+        model = build_model()
+    if dtype is not None:
+        model.to(dtype)
+    inputs = tree_map_only(torch.Tensor, lambda t: t.to(where), sample_inputs)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def sync() -> None:
+        if where.type != "cpu":
+            torch.accelerator.synchronize(where)
+
+    def one() -> float:
+        sync()
+        start = time.perf_counter()
+        if isinstance(inputs, dict):
+            out = model(**inputs)
+        elif isinstance(inputs, tuple):
+            out = model(*inputs)
+        else:
+            out = model(inputs)
+        loss = loss_fn(out) if loss_fn is not None else out.float().sum()
+        loss.backward()
+        sync()
+        seconds = time.perf_counter() - start
+        for p in params:
+            p.grad = None
+        return seconds
+
+    one()  # warm-up: allocator, kernels' first-call costs
+    seconds = statistics.median(one() for _ in range(repeats))
+    n = sum(p.numel() for p in model.parameters())
+    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype)
