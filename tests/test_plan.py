@@ -46,9 +46,11 @@ def _names(shape: tuple[int, ...]) -> tuple[str, ...]:
     return ("dp", "tp") if len(shape) == 2 else ("rep", "shard", "tp")
 
 
-def _simulated(mesh_shape: tuple[int, ...], steps: int = 2, tp: bool = False) -> dict:
+def _simulated(mesh_shape: tuple[int, ...], steps: int = 2, tp: bool = False, offload: bool = False) -> dict:
     """``simulate`` in a fresh process (it needs one without a process group)."""
     extra = f", mesh_dim_names={_names(mesh_shape)!r}, shard_fn=test_plan._tp_shard" if tp else ""
+    if offload:
+        extra = ", shard_fn=test_plan._offload_shard"
     code = f"""
 import json, sys, torch
 sys.path.insert(0, {os.path.join(os.path.dirname(HERE), 'examples')!r})
@@ -60,14 +62,23 @@ plan = simulate(lambda: Llama(LlamaConfig(**{CFG!r})), torch.zeros({BATCH!r}, dt
                 mesh_shape={mesh_shape!r}, steps={steps}{extra})
 print(json.dumps({{"peak": plan.peak_bytes, "params": plan.parameters, "world": plan.world_size,
     "collectives": [(r.phase, r.module, r.op, str(r.dtype), r.nbytes, r.group_size) for r in plan.collectives],
-    "categories": plan.peak_snapshot.by_category, "fits": [plan.fits(plan.peak_bytes), plan.fits(plan.peak_bytes - 1)]}}))
+    "categories": plan.peak_snapshot.by_category, "fits": [plan.fits(plan.peak_bytes), plan.fits(plan.peak_bytes - 1)],
+    "start": [plan.timeline[0].total, plan.timeline[0].host, plan.timeline[0].by_category],
+    "combined": max(s.total + s.host for s in plan.timeline)}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _measured(tp: tuple[int, ...] = ()) -> dict:
+def _offload_shard(model, mesh) -> None:
+    from fully_shard import CPUOffloadPolicy
+    from fully_shard.plan import default_shard_fn
+
+    default_shard_fn(model, mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+def _measured(tp: tuple[int, ...] = (), offload: bool = False) -> dict:
     """The same model, settings and batch shape, really run on this rank (CPU/gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -79,12 +90,15 @@ def _measured(tp: tuple[int, ...] = ()) -> dict:
     model = Llama(LlamaConfig(**CFG))
     if tp:
         _tp_shard(model, init_device_mesh("cpu", tp, mesh_dim_names=_names(tp)))
+    elif offload:
+        _offload_shard(model, cpu_mesh())
     else:
         default_shard_fn(model, cpu_mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, CFG["vocab_size"], BATCH)
     plan = measure(model, x, opt, steps=2)
-    return {"peak": plan.peak_bytes, "collectives": [list(r) for r in _records(plan)], "rank": world()[0]}
+    return {"peak": plan.peak_bytes, "collectives": [list(r) for r in _records(plan)], "rank": world()[0],
+            "combined": max(s.total + s.host for s in plan.timeline)}
 
 
 @pytest.mark.parametrize("world_size,tp", [(2, ()), (4, ()), (4, (2, 2)), (4, (2, 1, 2))])
@@ -113,6 +127,23 @@ def test_simulated_step_matches_a_real_run(ranks, world_size, tp):
         error = abs(simulated["peak"] - r["peak"]) / r["peak"]
         print(f"world {world_size} rank {r['rank']}: peak simulated {simulated['peak']} real {r['peak']} ({error:.2%})")
         assert error <= 0.10, (simulated["peak"], r["peak"])
+
+
+def test_simulated_offload_matches_a_real_run(ranks):
+    """CPUOffloadPolicy at world 2: the same collectives as a real CPU/gloo run; on the host, exactly
+    the shards and AdamW's two states at the step's start (on the device only the module buffers);
+    device + host within 10% of the real run's (on a CPU the host is the device, so only the sum
+    compares)."""
+    plain, simulated = _simulated((2,)), _simulated((2,), offload=True)
+    device, host, categories = simulated["start"]
+    shards = plain["start"][2]["sharded_params"]
+    assert host == 3 * shards and device == categories["buffers"] == plain["start"][2]["buffers"]
+    assert simulated["peak"] < plain["peak"]
+    for r in ranks(2).run(_measured, (), True):
+        assert r["collectives"] == simulated["collectives"], (r["collectives"], simulated["collectives"])
+        error = abs(simulated["combined"] - r["combined"]) / r["combined"]
+        print(f"offload rank {r['rank']}: device + host simulated {simulated['combined']} real {r['combined']} ({error:.2%})")
+        assert error <= 0.10
 
 
 def test_simulation_scales_to_a_thousand_ranks():
@@ -235,25 +266,38 @@ from llama_model import Llama, LlamaConfig
 from fully_shard.plan import Cluster, Link, recommend
 cluster = Cluster(8, Link(5e-6, 300e9), Link(12e-6, 40e9), 100e12)
 build, x = (lambda: Llama(LlamaConfig(**{CFG!r}))), torch.zeros({BATCH!r}, dtype=torch.long)
-probe = recommend(build, x, world_size=16, bytes_per_rank=2**40, cluster=cluster)
+kw = dict(world_size=16, cluster=cluster, bucket_sizes=(None, 0))
+probe = recommend(build, x, bytes_per_rank=2**40, **kw)
 budget = sorted(o.plan.peak_bytes for o in probe)[len(probe) // 2]
-options = recommend(build, x, world_size=16, bytes_per_rank=budget, cluster=cluster)
+options = recommend(build, x, bytes_per_rank=budget, **kw)
 print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.reshard_after_forward), o.param_dtype,
-    o.plan.peak_bytes, o.time.step_s, o.fits] for o in options]}}))
+    o.plan.peak_bytes, o.time.step_s, o.fits, o.bucket_bytes, o.offload, o.plan.host_peak_bytes, len(o.plan.collectives)]
+    for o in options]}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     options, budget = result["options"], result["budget"]
-    # FSDP over 16 (reshard True / False / 8) and HSDP 2x8 (True / False), each in fp32 and bf16.
-    assert sorted((tuple(o[0]), o[1], o[2]) for o in options) == sorted(
-        [((16,), r, d) for r in ("True", "False", "8") for d in ("fp32", "bf16")]
-        + [((2, 8), r, d) for r in ("True", "False") for d in ("fp32", "bf16")])
+    # FSDP over 16 (reshard True / False / 8) and HSDP 2x8 (True / False), each in fp32 and bf16,
+    # each offloaded or not; reshard True on the device also with bucketing off (0).
+    expected = []
+    for mesh, reshards in (((16,), ("True", "False", "8")), ((2, 8), ("True", "False"))):
+        for r in reshards:
+            for d in ("fp32", "bf16"):
+                expected += [(mesh, r, d, None, False), (mesh, r, d, None, True)] + ([(mesh, r, d, 0, False)] if r == "True" else [])
+    key = {(tuple(o[0]), o[1], o[2], o[6], o[7]): o for o in options}
+    assert sorted(key, key=str) == sorted(expected, key=str) and len(options) == len(expected)
     fitting = [o for o in options if o[5]]
     assert fitting and len(fitting) < len(options)
     assert all(o[3] <= budget for o in fitting) and all(o[3] > budget for o in options if not o[5])
     assert [o[4] for o in fitting] == sorted(o[4] for o in fitting)  # fastest first
     assert options[: len(fitting)] == fitting  # the ones that fit come first
+    for (mesh, r, d, bucket, off), o in key.items():
+        if off:  # shards, gradients and optimizer state on the host: less on the device, and a host peak
+            on_device = key[(mesh, r, d, None, False)]
+            assert o[8] > 0 and o[3] < on_device[3] and on_device[8] == 0, (mesh, r, d)
+        if bucket == 0:  # bucketing off: one all-gather per block where the default shares them
+            assert o[9] > key[(mesh, r, d, None, False)][9], (mesh, r, d)
 
 
 def _measured_picture(path: str) -> bool:

@@ -52,6 +52,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .copying import copy_fields, refuse_busy
 from .extension import EXTENSION_METHODS, ExtensionState, hooks_of
+from .host import allocating, host_device, to_device
 from .layout import ShardLayout
 from .lifecycle import ShardedState
 from .mesh import MeshInfo
@@ -101,8 +102,8 @@ class FSDPParam:
         # shard to the device first, each reduction copies the gradient back. On a CPU mesh the
         # same code runs and the copies are no-ops.
         self.offload = offload is not None
-        self.pin_memory = self.offload and offload.pin_memory and info.device.type != "cpu"  # type: ignore[union-attr]
-        self.shard_device = torch.device("cpu") if self.offload else info.device
+        self.pin_memory = self.offload and offload.pin_memory and info.device.type not in ("cpu", "meta")  # type: ignore[union-attr]
+        self.shard_device = host_device(info.device) if self.offload else info.device
         self.tp: Optional[TPSpec] = None
         # All-gather extension (extension.py): a codec set by set_all_gather_codec, and the state of
         # the extension while one is in use (None: plain all-gathers so far).
@@ -259,8 +260,8 @@ class FSDPParam:
             shard = self.padded_shard.view(-1)
         else:
             shard = _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.layout.rows, 0, 1).view(-1)
-        if shard.device != self.info.device:  # offloaded: to the device (async from pinned memory)
-            shard = shard.to(self.info.device, non_blocking=self.pin_memory)
+        if self.offload:  # to the device (async from pinned memory)
+            shard = to_device(shard, self.info.device, self.pin_memory)
         return shard
 
     def all_gather_input_bytes(self) -> torch.Tensor:
@@ -311,8 +312,8 @@ class FSDPParam:
         every rank sends), flat, as bytes."""
         assert self.ext is not None and self.ext.hooks is not None
         local, hooks = self.local_shard, self.ext.hooks
-        if local.device != self.info.device:  # offloaded: the hooks run on the device copy, as PyTorch's do
-            local = local.to(self.info.device, non_blocking=self.pin_memory)
+        if self.offload and local.device != self.info.device:  # the hooks run on the device copy, as PyTorch's do
+            local = to_device(local, self.info.device, self.pin_memory)
             hooks = hooks_of(local, self.codec, self.path) or hooks  # methods set on the host tensor stay bound to it
         shape = self.shape  # under TP, the TP-local shape (what this library shards)
         inputs = self.ext.inputs(
@@ -461,8 +462,9 @@ class FSDPParam:
         if grad.dtype != self.dtype:
             grad = grad.to(self.dtype)
         existing = self.sharded_param.grad
-        if grad.device != self.shard_device:  # offloaded: the gradient goes back to the host
-            host = torch.empty(grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+        if self.offload and (grad.device != self.shard_device or grad.is_meta):  # the gradient goes back to the host
+            with allocating():
+                host = torch.empty(grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
             # Asynchronous only into a fresh .grad: the host waits for it before the optimizer
             # (end of backward). Adding into an existing one needs the values now.
             host.copy_(grad, non_blocking=self.pin_memory and existing is None)

@@ -8,6 +8,11 @@ seen after any op. ``snapshot(label)`` records the total split by what the engin
 storage to be (`categories`): sharded parameters, gradients, optimizer state, unsharded
 parameters, communication buffers, module buffers; the rest is activations and temporaries.
 
+Host memory (``CPUOffloadPolicy``) is counted apart (``host_current``, ``host_peak``): storages
+tracked as the host's, those the engine makes for the host (`fully_shard.host.allocating`), and
+what any op makes from host storages only (the optimizer's state and temporaries). On a real
+accelerator run that is the CPU; in a meta simulation the host is meta too, told apart this way.
+
 Wrapper subclasses (DTensor, all-gather extensions' weights) are counted by their inner tensors;
 a storage grown or shrunk by ``Tensor.resize_`` is re-measured. Frees may come from the engine's
 release thread, so the counts are kept under a lock.
@@ -24,7 +29,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from ..host import is_allocating
 
 CATEGORIES = (
     "sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "buffers", "activations",
@@ -36,11 +43,12 @@ _RESIZES = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)
 
 @dataclass
 class Snapshot:
-    """Live bytes at one point of the step, by category."""
+    """Live bytes at one point of the step, by category (device), and on the host."""
 
     label: str
     total: int
     by_category: dict[str, int] = field(default_factory=dict)
+    host: int = 0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -54,45 +62,55 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.device_type = device_type
         self.categories = categories
-        self.sizes: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # device storages
+        self.host_sizes: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
         self.current = 0
         self.peak = 0
+        self.host_current = 0
+        self.host_peak = 0
         self.timeline: list[Snapshot] = []
         self._orig_resize: Any = None
         self._lock = threading.Lock()
 
     # -- counting ------------------------------------------------------------------------------
 
-    def track(self, tensors: Iterable[Any]) -> None:
-        """Count tensors that exist already (the model's parameters, an optimizer's state)."""
+    def track(self, tensors: Iterable[Any], host: bool = False) -> None:
+        """Count tensors that exist already (the model's parameters, an optimizer's state), as the
+        host's with ``host=True`` (offloaded shards, their gradients and optimizer state)."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self._add(t)
+                self._add(t, host)
 
-    def _add(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor, host: bool = False) -> None:
         t = _local(t)
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
             if is_traceable_wrapper_subclass(t):  # its storage is empty: count what it wraps
                 for name in t.__tensor_flatten__()[0]:
-                    self._add(getattr(t, name))
+                    self._add(getattr(t, name), host)
             return
-        if t.device.type != self.device_type:
-            return
+        if t.device.type not in (self.device_type, "cpu") or (t.device.type != self.device_type and not host):
+            return  # another device (or CPU memory that is not this run's host)
         storage = t.untyped_storage()
         key = storage._cdata
-        if key in self.sizes:
+        if key in self.sizes or key in self.host_sizes:
             return
         nbytes = storage.nbytes()
         with self._lock:
-            self.sizes[key] = nbytes
             self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
+            if host:
+                self.host_sizes[key] = nbytes
+                self.host_current += nbytes
+                self.host_peak = max(self.host_peak, self.host_current)
+            else:
+                self.sizes[key] = nbytes
+                self.current += nbytes
+                self.peak = max(self.peak, self.current)
 
     def _freed(self, key: int, _ref: Any) -> None:
         with self._lock:
             self.current -= self.sizes.pop(key, 0)
+            self.host_current -= self.host_sizes.pop(key, 0)
             self._refs.pop(key, None)
 
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -102,13 +120,33 @@ class LiveBytes(TorchDispatchMode):
                 self.current += nbytes - self.sizes[key]
                 self.sizes[key] = nbytes
                 self.peak = max(self.peak, self.current)
+            elif key in self.host_sizes:
+                self.host_current += nbytes - self.host_sizes[key]
+                self.host_sizes[key] = nbytes
+                self.host_peak = max(self.host_peak, self.host_current)
+
+    def _is_host(self, t: torch.Tensor) -> bool:
+        t = _local(t)
+        return type(t) in (torch.Tensor, torch.nn.Parameter) and t.untyped_storage()._cdata in self.host_sizes
+
+    def _from_host(self, args: Any, kwargs: Any) -> bool:
+        """Whether an op's outputs are the host's: the engine is allocating for the host, or every
+        input with storage is a host storage (and there is one)."""
+        if is_allocating():
+            return True
+        if not self.host_sizes:
+            return False
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        stored = [t for t in inputs if _local(t).untyped_storage().nbytes() > 0 or self._is_host(t)]
+        return bool(stored) and all(self._is_host(t) for t in stored)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        host = self._from_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
         if func in _RESIZES and isinstance(args[0], torch.Tensor) and type(args[0]) in (torch.Tensor, torch.nn.Parameter):
             storage = args[0].untyped_storage()
             self._resized(storage, storage.nbytes())
-        tree_map_only(torch.Tensor, self._add, out)
+        tree_map_only(torch.Tensor, functools.partial(self._add, host=host), out)
         return out
 
     def __enter__(self) -> "LiveBytes":
@@ -138,10 +176,10 @@ class LiveBytes(TorchDispatchMode):
         known = self.categories() if self.categories is not None else {}
         split = dict.fromkeys(CATEGORIES, 0)
         with self._lock:
-            sizes, total = list(self.sizes.items()), self.current
+            sizes, total, host = list(self.sizes.items()), self.current, self.host_current
         for key, nbytes in sizes:
             split[known.get(key, "activations")] += nbytes
-        self.timeline.append(Snapshot(label, total, split))
+        self.timeline.append(Snapshot(label, total, split, host))
 
 
 def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..debug import CollectiveRecord, trace
 from ..mesh import SIMULATING
-from .memory import LiveBytes, Snapshot, engine_categories
+from .memory import LiveBytes, Snapshot, _local, engine_categories
 
 if TYPE_CHECKING:
     from .timing import StepTime
@@ -31,12 +31,18 @@ class Plan:
     """One rank's view of a simulated step (the last of ``steps``)."""
 
     mesh_shape: tuple[int, ...]
-    peak_bytes: int  # the most live tensor bytes after any op of the step
+    peak_bytes: int  # the most live device tensor bytes after any op of the step
     timeline: list[Snapshot]  # live bytes by category at each collective and phase boundary
     collectives: list[CollectiveRecord]  # every collective of the step, in issue order
     parameters: int = 0  # parameters of the model (elements)
     module_params: dict[str, int] = field(default_factory=dict)  # per fully_shard call ("" = the root): elements
     tokens: int = 0  # tokens in one rank's batch (for the time estimate)
+    host_peak_bytes: int = 0  # the most host bytes (offloaded shards, gradients, optimizer state)
+    # CPUOffloadPolicy: per fully_shard call, the bytes of this rank's offloaded (padded) shards,
+    # copied to the device before each all-gather and (as gradients) back after each reduction;
+    # and the elements the optimizer steps on the host.
+    module_offload_bytes: dict[str, int] = field(default_factory=dict)
+    offloaded_elements: int = 0
 
     def estimate(self, cluster: Any = "h100-nvlink-ib400-bf16", tokens: Optional[int] = None,
                  flops: Optional[float] = None) -> "StepTime":
@@ -74,7 +80,8 @@ class Plan:
         peak = self.peak_snapshot
         lines = [
             f"world {self.world_size} (mesh {self.mesh_shape}), {self.parameters / 1e9:.3f} B parameters",
-            f"peak live tensor memory per rank: {self.peak_bytes / GiB:.3f} GiB",
+            f"peak live tensor memory per rank: {self.peak_bytes / GiB:.3f} GiB"
+            + (f" (and {self.host_peak_bytes / GiB:.3f} GiB on the host)" if self.host_peak_bytes else ""),
             f"  at '{peak.label}': " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in peak.by_category.items() if v),
             "collectives per step: " + ", ".join(
                 f"{op} x{sum(r.op == op for r in self.collectives)} ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
@@ -83,20 +90,25 @@ class Plan:
         return "\n".join(lines)
 
 
-def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_after_forward: Any = None) -> None:
+def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_after_forward: Any = None,
+                     offload_policy: Any = None, bucket_bytes: Optional[int] = None) -> None:
     """Every block (the children of the outermost ``nn.ModuleList`` holding the most parameters,
-    e.g. ``model.layers``), then the root."""
+    e.g. ``model.layers``), then the root, with these ``fully_shard`` settings (and the root's
+    ``set_bucket_bytes``, when given)."""
     from ..api import fully_shard
     from ..policy import MixedPrecisionPolicy
 
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
+    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward,
+              "offload_policy": offload_policy}
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     nested = {id(inner) for outer in lists for inner in outer.modules() if inner is not outer and isinstance(inner, nn.ModuleList)}
     outer = [m for m in lists if id(m) not in nested]  # not the experts inside each layer of an MoE
     if outer:
         for block in max(outer, key=lambda m: sum(p.numel() for p in m.parameters())):
             fully_shard(block, **kwargs)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": None})  # the root keeps its parameters for backward
+    root = fully_shard(model, **{**kwargs, "reshard_after_forward": None})  # the root keeps its parameters for backward
+    if bucket_bytes is not None:
+        root.set_bucket_bytes(bucket_bytes)
 
 
 def _optimizer(choice: Union[str, Callable, None], params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
@@ -197,16 +209,22 @@ def measure(
     ctx = root.root_context()  # lazy init now, so the memory observer can attach to the root's collectives
     device = root.info.device
     counter = LiveBytes(device.type, lambda: engine_categories(states, [optimizer] if optimizer is not None else []))
-    counter.track(model.parameters())
+    # Offloaded shards (CPUOffloadPolicy), their gradients and optimizer state are the host's.
+    offloaded = [p.sharded_param for s in states for g in s.own for p in g.params if p.offload]
+    host_ids = {id(p) for p in offloaded}
+    counter.track(offloaded, host=True)
+    counter.track((p.grad for p in offloaded), host=True)
+    counter.track(p for p in model.parameters() if id(p) not in host_ids)
     counter.track(model.buffers())
-    counter.track(p.grad for p in model.parameters())
+    counter.track(p.grad for p in model.parameters() if id(p) not in host_ids)
     if optimizer is not None:  # state from earlier steps (or a checkpoint) is live from the start
-        counter.track(v for entry in optimizer.state.values() for v in entry.values())
+        for param, entry in optimizer.state.items():
+            counter.track(entry.values(), host=id(param) in host_ids)
     if mesh_shape is None:
         mesh_shape = tuple(root.info.mesh.shape)
     for _ in range(steps):
         counter.timeline.clear()
-        counter.peak = counter.current
+        counter.peak, counter.host_peak = counter.current, counter.host_current
         with trace(dtensor=True) as t, counter, _SnapshotAtCollectives(counter, ctx.comm):
             counter.snapshot("step start")
             if isinstance(inputs, dict):
@@ -227,8 +245,17 @@ def measure(
             counter.snapshot("step end")
     n = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
     per_module = {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}
+    shards = {s.fqn: [p for g in s.own for p in g.params if p.offload] for s in states}
+    offload_bytes = {m: sum(_padded_shard_bytes(p) for p in ps) for m, ps in shards.items() if ps}
     return Plan(tuple(int(x) for x in mesh_shape), counter.peak, list(counter.timeline), list(t.records), n,
-                per_module, _tokens(inputs))
+                per_module, _tokens(inputs), counter.host_peak, offload_bytes,
+                sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps))
+
+
+def _padded_shard_bytes(p: Any) -> int:
+    """This rank's padded shard of an `FSDPParam`, in bytes (what an all-gather sends)."""
+    layout = p.layout
+    return layout.rows * (layout.shape.numel() // max(layout.shape[p.shard_dim], 1)) * p.sharded_param.element_size()
 
 
 def _tokens(inputs: Any) -> int:

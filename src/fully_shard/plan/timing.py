@@ -18,6 +18,11 @@ them, and FSDP's collectives overlap them as they overlap compute.
 Compute: ``2 * parameters * tokens`` FLOPs forward and twice that backward per module (the usual
 dense-layer count; attention's sequence-squared term is left out), at ``flops`` per second.
 
+Offload (``CPUOffloadPolicy``): an offloaded shard's copy to the device (before its all-gather)
+and its gradient's copy back (after its reduce-scatter) are priced on the cluster's host link and
+added to that collective; the host's optimizer step over the offloaded elements follows backward,
+exposed. The device's own optimizer step is not priced (memory-bound, small next to the rest).
+
 Overlap (what the schedule does): in forward, the next module's all-gather runs while this one
 computes, so each module costs the larger of its compute and the next all-gather, and the first
 all-gather is exposed. In backward, prefetched all-gathers and reductions run on their own streams
@@ -43,12 +48,15 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Links of a cluster and the compute rate of one device."""
+    """Links of a cluster and the compute rate of one device; for ``CPUOffloadPolicy``, its link
+    to the host and how fast the host steps the optimizer."""
 
     gpus_per_node: int
     intra: Link
     inter: Link
     flops: float  # achieved FLOP/s of one device for the model's matmuls
+    host: Link = Link(10e-6, 25e9)  # host <-> device copies, per device
+    host_optimizer_elements_per_s: float = 2e8  # AdamW on the host, per device's share of the CPU
 
     def link(self, first_rank: int, last_rank: int) -> Link:
         """The link a group of global ranks ``first_rank .. last_rank`` crosses."""
@@ -57,7 +65,10 @@ class Cluster:
 
 # Presets (achieved, not peak): 8 H100s per node on NVLink 4 (NCCL all-gather bus bandwidth about
 # 350 GB/s), 400 Gb/s InfiniBand per GPU (about 45 GB/s achieved), bf16 matmuls at about 40% of
-# 989 TFLOP/s; and the same nodes computing in fp32 (about 50 TFLOP/s without TF32).
+# 989 TFLOP/s; and the same nodes computing in fp32 (about 50 TFLOP/s without TF32). Host side
+# (every preset): PCIe Gen5 x16 shared by two GPUs per switch, about 25 GB/s each way per GPU;
+# PyTorch's AdamW on the CPU at about 2e8 elements/s per GPU's share of the cores (it reads and
+# writes 28 bytes per fp32 element; a rough figure: set your own).
 PRESETS = {
     "h100-nvlink-ib400-bf16": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 400e12),
     "h100-nvlink-ib400-fp32": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 50e12),
@@ -80,10 +91,12 @@ class StepTime:
     compute_s: float
     communication_s: float  # every collective, as if nothing overlapped
     exposed_s: float  # communication not hidden behind compute
+    host_optimizer_s: float = 0.0  # the optimizer step of offloaded parameters, on the host, after backward
 
     def __str__(self) -> str:
+        host = f", host optimizer {self.host_optimizer_s * 1e3:.1f} ms" if self.host_optimizer_s else ""
         return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, communication "
-                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms)")
+                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms{host})")
 
 
 def _unit(module: str, units: dict[str, int]) -> str:
@@ -97,6 +110,16 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     rate = flops if flops is not None else cluster.flops
     fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}
     cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span) for r in plan.collectives}
+    # Offloaded shards go to the device before their all-gather and come back (as gradients) after
+    # their reduce-scatter, on the way of that collective.
+    host_copies = 0.0
+    for r in plan.collectives:
+        moved = sum(plan.module_offload_bytes.get(m if m != "<root>" else "", 0) for m in r.module.split("+"))
+        if moved and r.op in ("all_gather", "reduce_scatter") and not r.phase.startswith("dtensor_"):
+            copy = cluster.host.latency_s + moved / cluster.host.bytes_per_s
+            cost[id(r)] += copy
+            host_copies += copy
+    host_optimizer = plan.offloaded_elements / cluster.host_optimizer_elements_per_s
     # DTensor's collectives (tensor parallel) block the compute that needs them: they count as
     # their unit's compute, forward or backward.
     tp_fwd = dict.fromkeys(fwd, 0.0)
@@ -133,6 +156,6 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it
     b_time = max(b_compute, comm - first - last) + first + last
     total_comm = sum(cost.values())
-    step = f_time + b_time
+    step = f_time + b_time + host_optimizer
     compute_total = 3 * sum(fwd.values())
-    return StepTime(step, compute_total, total_comm, max(0.0, step - compute_total))
+    return StepTime(step, compute_total, total_comm, max(0.0, f_time + b_time - compute_total), host_optimizer)
