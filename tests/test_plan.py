@@ -300,25 +300,57 @@ print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.resh
             assert o[9] > key[(mesh, r, d, None, False)][9], (mesh, r, d)
 
 
-def _measured_picture(path: str) -> bool:
-    """A real run's measured plan drawn like a simulated one."""
+def _measured_picture(path: str) -> dict:
+    """A real run's measured plan drawn like a simulated one; and a user's own loop (two
+    micro-batches, then the optimizer) traced with memory and drawn from the trace."""
     from llama_model import Llama, LlamaConfig
 
-    from fully_shard.plan import default_shard_fn, draw, measure
+    from fully_shard.debug import trace
+    from fully_shard.plan import default_shard_fn, draw, from_trace, measure
 
     torch.manual_seed(0)
     model = Llama(LlamaConfig(**CFG))
+    shapes = [p.shape for p in model.parameters()]
     default_shard_fn(model, cpu_mesh())
-    plan = measure(model, torch.randint(0, CFG["vocab_size"], BATCH), torch.optim.AdamW(model.parameters(), lr=1e-4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, CFG["vocab_size"], BATCH)
+    plan = measure(model, x, opt)
+    checks = {"measured timeline": len(plan.timeline) == len(plan.collectives) + 5}
+    with trace(memory=True, optimizers=[opt]) as t:
+        for _ in range(2):
+            model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    snapshots = t.memory.counter.timeline
+    # This rank's padded shards (2 ranks: ceil(rows / 2) rows each); its gradients and AdamW's two
+    # states are of its own rows only (rank 0: ceil(rows / 2), rank 1: the rest).
+    shards = sum(-(-s[0] // 2) * (s.numel() // s[0]) * 4 for s in shapes)
+    rank = world()[0]
+    own = sum((-(-s[0] // 2) if rank == 0 else s[0] // 2) * (s.numel() // s[0]) * 4 for s in shapes)
+    checks["a snapshot per collective"] = len(snapshots) == len(t.records) and t.step == 1
+    checks["two steps"] = {r.step for r in t.records} == {0, 1}
+    checks["shards"] = [s.by_category["sharded_params"] for s in snapshots] == [shards] * len(snapshots)
+    # AdamW: two states of this rank's rows, and a 4-byte step count per parameter (on the CPU).
+    n = len(shapes)
+    checks["optimizer state"] = [s.by_category["optimizer_state"] for s in snapshots] == [2 * own + 4 * n] * len(snapshots)
+    # The second micro-batch holds, at every point, exactly the first's reduced gradients more
+    # (each views its reduce-scatter output: the padded rows and a 4-byte used-count per parameter).
+    first = [s.by_category["gradients"] for s, r in zip(snapshots, t.records) if r.step == 0]
+    second = [s.by_category["gradients"] for s, r in zip(snapshots, t.records) if r.step == 1]
+    checks["gradients"] = len(first) == len(second) and [b - a for a, b in zip(first, second)] == [shards + 4 * n] * len(first)
     if world()[0] == 0:
         draw(plan, path)
-        with open(path, "rb") as f:
-            return f.read(8) == b"\x89PNG\r\n\x1a\n" and len(plan.timeline) == len(plan.collectives) + 5
-    return True
+        draw(t, path + ".trace.png")
+        for p in (path, path + ".trace.png"):
+            with open(p, "rb") as f:
+                checks[p] = f.read(8) == b"\x89PNG\r\n\x1a\n"
+    checks["from_trace"] = from_trace(t, step=1).collectives == [r for r in t.records if r.step == 1]
+    return checks
 
 
 def test_plans_are_drawn_from_simulated_and_real_runs(ranks, tmp_path):
-    assert all(ranks(2).run(_measured_picture, str(tmp_path / "real.png")))
+    for checks in ranks(2).run(_measured_picture, str(tmp_path / "real.png")):
+        assert all(checks.values()), [k for k, v in checks.items() if not v]
     out = subprocess.run(
         [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
          "--input-shape", "2x16", "--mesh", "4", "--png", str(tmp_path / "sim")],

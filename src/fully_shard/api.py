@@ -90,7 +90,7 @@ class FSDPModule:
         A forward that follows uses these parameters (no second all-gather).
         """
         state = self._get_fsdp_state()
-        attach_active_traces(state.root_context().comm.tracers)
+        attach_active_traces(state.root_context())
         for group in state.groups:  # with the groups of tied parameters it uses
             group.unshard("explicit")
         handle = UnshardHandle(list(state.groups))

@@ -17,7 +17,7 @@ import contextlib
 from collections import Counter
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,8 @@ class CollectiveRecord:
 class Trace:
     records: list[CollectiveRecord] = field(default_factory=list)
     step: int = 0
+    # trace(memory=True): live tensor bytes (`fully_shard.plan.memory.TraceMemory`), a snapshot at each collective.
+    memory: Any = None
     _started: bool = False
     _attached: list[list["Trace"]] = field(default_factory=list)  # the observer lists of the roots it watches
 
@@ -77,6 +79,8 @@ class Trace:
         self.records.append(
             CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name, *extra, rank_span=rank_span)
         )
+        if self.memory is not None:
+            self.memory.snapshot(f"{phase} {op} {module}")
 
     def select(
         self, *, op: Optional[str] = None, phase: Optional[str] = None, step: Optional[int] = None, module: Optional[str] = None
@@ -113,21 +117,28 @@ _ACTIVE: ContextVar[tuple[Trace, ...]] = ContextVar("fully_shard_active_traces",
 
 
 @contextlib.contextmanager
-def trace(dtensor: bool = False) -> Iterator[Trace]:
+def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Iterator[Trace]:
     """Record the collectives of every root whose forward or unshard starts inside this block.
 
     ``dtensor=True`` also records DTensor's own collectives run in this thread (tensor and
     sequence parallel layers, redistributes), phase ``dtensor_forward`` / ``dtensor_backward``
-    (see `fully_shard.funcol_trace`; it watches every op, so it slows the step)."""
+    (see `fully_shard.funcol_trace`). ``memory=True`` counts live tensor bytes on the model's
+    device (``t.memory``: `fully_shard.plan.LiveBytes` with a snapshot by category at every
+    collective; ``optimizers`` name whose state is optimizer state); ``fully_shard.plan.draw(t,
+    path)`` draws it. Both watch every op, so they slow the step."""
     t = Trace()
     token = _ACTIVE.set(_ACTIVE.get() + (t,))
     try:
-        if dtensor:
-            from .funcol_trace import FunctionalCollectiveTrace
+        with contextlib.ExitStack() as modes:
+            if dtensor:
+                from .funcol_trace import FunctionalCollectiveTrace
 
-            with FunctionalCollectiveTrace(t):
-                yield t
-        else:
+                modes.enter_context(FunctionalCollectiveTrace(t))
+            if memory:
+                from .plan.memory import TraceMemory
+
+                t.memory = TraceMemory(optimizers)
+                modes.enter_context(t.memory.counter)
             yield t
     finally:
         _ACTIVE.reset(token)
@@ -136,10 +147,14 @@ def trace(dtensor: bool = False) -> Iterator[Trace]:
         t._attached.clear()
 
 
-def attach_active_traces(observers: list[Any]) -> None:
-    """Called in the user's thread when a root starts work: add the traces open there to the root's
-    observer list (``CommContext.tracers``), which its collectives report to."""
+def attach_active_traces(ctx: Any) -> None:
+    """Called in the user's thread when a root starts work (``ctx``: its `RootContext`): add the
+    traces open there to the root's observer list (``CommContext.tracers``), which its
+    collectives report to; a memory trace learns the root's model."""
+    observers = ctx.comm.tracers
     for t in _ACTIVE.get():
         if t not in observers:
             observers.append(t)
             t._attached.append(observers)
+        if t.memory is not None:
+            t.memory.attach(ctx.states)

@@ -125,7 +125,7 @@ class RootContext:
 
     def start_iteration(self) -> None:
         """A root forward starts: hook up the traces opened around it."""
-        attach_active_traces(self.comm.tracers)
+        attach_active_traces(self)
         for t in self.comm.tracers:
             t.begin_step()
 

@@ -53,7 +53,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
     states = _states(model, recurse)
     for state in states:
-        attach_active_traces(state.root_context().comm.tracers)
+        attach_active_traces(state.root_context())
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
     kept = {id(g) for g in groups if g.is_unsharded and not g.is_stale()}  # unsharded before: stay so
     for group in groups:

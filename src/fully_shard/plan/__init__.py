@@ -5,11 +5,11 @@
 from .compute import ComputeRate, measure_flops
 from .draw import draw
 from .memory import CATEGORIES, LiveBytes, Snapshot
-from .simulate import Plan, default_shard_fn, measure, simulate
+from .simulate import Plan, default_shard_fn, from_trace, measure, simulate
 from .recommend import Option, recommend
 from .timing import PRESETS, Cluster, Link, StepTime
 
 __all__ = [
     "CATEGORIES", "PRESETS", "Cluster", "ComputeRate", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
-    "draw", "measure", "measure_flops", "recommend", "simulate",
+    "draw", "from_trace", "measure", "measure_flops", "recommend", "simulate",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .memory import CATEGORIES
-from .simulate import GiB, Plan
+from .simulate import GiB, Plan, from_trace
 
 COLORS = {
     "sharded_params": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
@@ -28,9 +28,12 @@ def _pyplot() -> Any:
     return plt
 
 
-def draw(plan: Plan, path: str, title: str = "") -> None:
+def draw(plan: Any, path: str, title: str = "") -> None:
     """Write a PNG: the live bytes of one rank at each point of the step (every collective and
-    phase boundary), stacked by category, and per collective the bytes it moves."""
+    phase boundary), stacked by category, and per collective the bytes it moves. ``plan``: a
+    `Plan`, or a trace of a real run (``fully_shard.debug.trace(memory=True)``)."""
+    if not isinstance(plan, Plan):
+        plan = from_trace(plan)
     plt = _pyplot()
     fig, (mem, comm) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [3, 2]})
     xs = list(range(len(plan.timeline)))

@@ -182,6 +182,56 @@ class LiveBytes(TorchDispatchMode):
         self.timeline.append(Snapshot(label, total, split, host))
 
 
+def track_model(counter: LiveBytes, states: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
+    """Count what exists before counting starts: the parameters, buffers and gradients of these
+    states' modules and the optimizers' state, offloaded shards (``CPUOffloadPolicy``) and their
+    gradients and optimizer state as the host's."""
+    offloaded = [p.sharded_param for s in states for g in s.own for p in g.params if p.offload]
+    host_ids = {id(p) for p in offloaded}
+    params = list({id(p): p for s in states for m in s.modules for p in m.parameters()}.values())
+    counter.track(offloaded, host=True)
+    counter.track((p.grad for p in offloaded), host=True)
+    counter.track(p for p in params if id(p) not in host_ids)
+    counter.track(b for s in states for m in s.modules for b in m.buffers())
+    counter.track(p.grad for p in params if id(p) not in host_ids)
+    for opt in optimizers:  # state from earlier steps (or a checkpoint) is live from the start
+        for param, entry in opt.state.items():
+            counter.track(entry.values(), host=id(param) in host_ids)
+
+
+class TraceMemory:
+    """Live bytes over a traced run (``fully_shard.debug.trace(memory=True)``): a `LiveBytes`
+    counter, told when a root first works under the trace what its model holds already
+    (`track_model`) and on which device it computes, and snapshotted at every collective."""
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+        self.optimizers = list(optimizers)
+        self.states: list[Any] = []
+        self.mesh_shape: tuple[int, ...] = ()
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        self.counter = LiveBytes(accelerator.type if accelerator is not None else "cpu",
+                                 lambda: engine_categories(self.states, self.optimizers))
+
+    def attach(self, states: list[Any]) -> None:
+        new = [s for s in states if all(s is not known for known in self.states)]
+        if not new:
+            return
+        if not self.states:  # the first root decides the device (meta in a simulation)
+            info = new[0].root_context().root.info
+            self.counter.device_type = info.device.type
+            self.mesh_shape = tuple(info.mesh.shape)
+        self.states += new
+        track_model(self.counter, new, self.optimizers if len(self.states) == len(new) else [])
+
+    def snapshot(self, label: str) -> None:
+        self.counter.snapshot(label)
+
+    def new_step(self) -> None:
+        """Forget the timeline and peaks so far (a step's own)."""
+        self.counter.timeline.clear()
+        self.counter.peak, self.counter.host_peak = self.counter.current, self.counter.host_current
+
+
 def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
     """What the engine holds under these `FSDPState` s, by storage: sharded parameters, their
     gradients (sharded, unsharded, deferred HSDP sums, waiting in a bucket), unsharded parameters

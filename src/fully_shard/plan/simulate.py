@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..debug import CollectiveRecord, trace
 from ..mesh import SIMULATING
-from .memory import LiveBytes, Snapshot, _local, engine_categories
+from .memory import Snapshot, _local
 
 if TYPE_CHECKING:
     from .timing import StepTime
@@ -203,53 +203,54 @@ def measure(
     if root is None:
         raise ValueError("plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "
                          "fully_shard(model, mesh=mesh).")
-    from ..state import fsdp_states
+    from ..debug import attach_active_traces
 
-    states = list(fsdp_states([model]))
-    ctx = root.root_context()  # lazy init now, so the memory observer can attach to the root's collectives
-    device = root.info.device
-    counter = LiveBytes(device.type, lambda: engine_categories(states, [optimizer] if optimizer is not None else []))
-    # Offloaded shards (CPUOffloadPolicy), their gradients and optimizer state are the host's.
-    offloaded = [p.sharded_param for s in states for g in s.own for p in g.params if p.offload]
-    host_ids = {id(p) for p in offloaded}
-    counter.track(offloaded, host=True)
-    counter.track((p.grad for p in offloaded), host=True)
-    counter.track(p for p in model.parameters() if id(p) not in host_ids)
-    counter.track(model.buffers())
-    counter.track(p.grad for p in model.parameters() if id(p) not in host_ids)
-    if optimizer is not None:  # state from earlier steps (or a checkpoint) is live from the start
-        for param, entry in optimizer.state.items():
-            counter.track(entry.values(), host=id(param) in host_ids)
-    if mesh_shape is None:
-        mesh_shape = tuple(root.info.mesh.shape)
-    for _ in range(steps):
-        counter.timeline.clear()
-        counter.peak, counter.host_peak = counter.current, counter.host_current
-        with trace(dtensor=True) as t, counter, _SnapshotAtCollectives(counter, ctx.comm):
-            counter.snapshot("step start")
+    with trace(dtensor=True, memory=True, optimizers=[optimizer] if optimizer is not None else []) as t:
+        attach_active_traces(root.root_context())  # lazy init, and the model is counted from here
+        for _ in range(steps):
+            t.memory.new_step()
+            t.memory.snapshot("step start")
             if isinstance(inputs, dict):
                 output = model(**inputs)
             elif isinstance(inputs, tuple):
                 output = model(*inputs)
             else:
                 output = model(inputs)
-            counter.snapshot("forward end")
+            t.memory.snapshot("forward end")
             loss = loss_fn(output) if loss_fn is not None else output.float().sum()
             loss.backward()
             del output, loss
-            counter.snapshot("backward end")
+            t.memory.snapshot("backward end")
             if optimizer is not None:
                 optimizer.step()
-                counter.snapshot("optimizer step")
+                t.memory.snapshot("optimizer step")
                 optimizer.zero_grad()
-            counter.snapshot("step end")
-    n = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
-    per_module = {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}
+            t.memory.snapshot("step end")
+    plan = from_trace(t, step=t.step)
+    plan.parameters = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
+    plan.tokens = _tokens(inputs)
+    if mesh_shape is not None:
+        plan.mesh_shape = tuple(int(x) for x in mesh_shape)
+    return plan
+
+
+def from_trace(t: Any, step: Optional[int] = None) -> Plan:
+    """A `Plan` of a run traced with ``fully_shard.debug.trace(memory=True)``: its memory timeline
+    and peaks (since the start, or since the last ``t.memory.new_step()``) and its collectives
+    (those of ``step``, or all), to draw (`draw`) or price (``Plan.estimate`` with ``tokens``)."""
+    if t.memory is None:
+        raise ValueError("plan.from_trace: this trace counted no memory. Fix: open it with "
+                         "fully_shard.debug.trace(memory=True, optimizers=[optimizer]).")
+    memory, states = t.memory, t.memory.states
     shards = {s.fqn: [p for g in s.own for p in g.params if p.offload] for s in states}
-    offload_bytes = {m: sum(_padded_shard_bytes(p) for p in ps) for m, ps in shards.items() if ps}
-    return Plan(tuple(int(x) for x in mesh_shape), counter.peak, list(counter.timeline), list(t.records), n,
-                per_module, _tokens(inputs), counter.host_peak, offload_bytes,
-                sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps))
+    return Plan(
+        memory.mesh_shape, memory.counter.peak, list(memory.counter.timeline),
+        [r for r in t.records if step is None or r.step == step],
+        sum(p.numel() for p in {id(p): p for s in states for m in s.modules for p in m.parameters()}.values()),
+        {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}, 0, memory.counter.host_peak,
+        {m: sum(_padded_shard_bytes(p) for p in ps) for m, ps in shards.items() if ps},
+        sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps),
+    )
 
 
 def _padded_shard_bytes(p: Any) -> int:
@@ -267,25 +268,3 @@ def _tokens(inputs: Any) -> int:
     if first.is_floating_point():
         return first.numel() // max(first.shape[-1], 1)
     return first.numel()
-
-
-@dataclass
-class _SnapshotAtCollectives:
-    """A trace observer (the comm layer's `CollectiveObserver`) that takes a memory snapshot as
-    each collective is issued, labelled with it."""
-
-    counter: LiveBytes
-    comm: Any
-
-    def __enter__(self) -> "_SnapshotAtCollectives":
-        self.comm.tracers.append(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.comm.tracers.remove(self)
-
-    def begin_step(self) -> None:
-        pass
-
-    def add(self, phase: str, module: str, op: str, *args: Any, **kwargs: Any) -> None:
-        self.counter.snapshot(f"{phase} {op} {module}")
