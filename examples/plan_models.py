@@ -21,3 +21,18 @@ def llama_1b() -> Llama:
 def llama_small() -> Llama:
     """The examples' small Llama (tests and CI)."""
     return Llama(LlamaConfig())
+
+
+def tp_shard(model: Llama, mesh) -> None:
+    """Tensor parallel inside each block over ``mesh["tp"]`` (as ``examples/train_tp_fsdp.py``), then
+    ``fully_shard`` over ``mesh["dp"]``: for ``--mesh-dim-names dp,tp --shard-fn ...:tp_shard``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from train_tp_fsdp import BLOCK_PLAN
+
+    from fully_shard import fully_shard
+
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], BLOCK_PLAN)
+        layer.attention.n_heads //= mesh["tp"].size()  # each tp rank computes its share of the heads
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])

@@ -187,6 +187,19 @@ def test_command_line_prints_one_row_per_mesh():
     assert float(rows[1].split("|")[14]) > 0  # HSDP: an all-reduce per step
     assert float(rows[0].split("|")[15]) > 0  # the estimated step time
     assert "Time: h100-nvlink-ib400-fp32, compute at 50 TFLOP/s" in out.stdout
+    # Tensor parallel through a shard_fn on a named (dp, tp) mesh: DTensor's collectives get a column.
+    models = os.path.join(os.path.dirname(HERE), "examples", "plan_models.py")
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16", "--mesh", "2x2",
+         "--mesh-dim-names", "dp,tp", "--shard-fn", models + ":tp_shard"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    head, row = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert head.split("|")[15].strip() == "DTensor (TP) GiB/step" and float(row.split("|")[15]) > 0, out.stdout
+    bad = subprocess.run([sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16",
+                          "--mesh", "2x2x2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "name them (--mesh-dim-names) and pass --shard-fn" in bad.stderr
 
 
 def test_compute_rate_measured_on_this_machine():

@@ -12,6 +12,10 @@ H100 one in the parameter dtype), computing at the preset's rate or at ``--flops
 FLOP/s, or ``measure`` to time the model's forward and backward on this machine (`measure_flops`:
 it builds the model for real here).
 
+``--shard-fn module:function`` applies ``fully_shard`` your way (``function(model, mesh)``), and
+with ``--mesh-dim-names dp,tp`` the meshes may have any dims (e.g. ``--mesh 64x8`` as dp x tp
+with `examples/plan_models.py`'s ``tp_shard``); DTensor's collectives are then listed too.
+
 Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
          --cluster PRESET --flops {N,measure}
@@ -51,13 +55,18 @@ def load_builder(spec: str) -> Callable[[], Any]:
     return getattr(module, name)
 
 
-def parse_mesh(text: str) -> tuple[int, ...]:
+def parse_mesh(text: str, ndim: int | None = None) -> tuple[int, ...]:
+    """``N`` or ``RxS`` (or, with ``--mesh-dim-names``, one size per name)."""
     try:
         shape = tuple(int(n) for n in text.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--mesh takes N or RxS (e.g. 512 or 64x8), got {text!r}") from None
-    if len(shape) not in (1, 2) or min(shape) < 1:
-        raise SystemExit(f"--mesh takes N or RxS with positive sizes, got {text!r}")
+    if min(shape) < 1:
+        raise SystemExit(f"--mesh takes positive sizes, got {text!r}")
+    if ndim is not None and len(shape) != ndim:
+        raise SystemExit(f"--mesh {text!r} has {len(shape)} dims, but --mesh-dim-names names {ndim}")
+    if ndim is None and len(shape) not in (1, 2):
+        raise SystemExit(f"--mesh takes N or RxS, got {text!r}; for more dims name them (--mesh-dim-names) and pass --shard-fn")
     return shape
 
 
@@ -69,11 +78,14 @@ def _gib(nbytes: int) -> str:
 def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
     """One row per plan: peak per rank, what is live at the peak point, bytes per step (and the
     estimated step time, when ``times`` are given)."""
+    tp = any(k.startswith("dtensor_") for plan in plans for k in plan.bytes_per_step())
     head = ("| ranks | mesh | peak GiB/rank | at the peak point | sharded params | gradients | optimizer | unsharded params "
             "| comm buffers | buffers | activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
+    if tp:
+        head += " DTensor (TP) GiB/step |"
     if times is not None:
         head += " est. step ms | exposed comm ms |"
-    rows = [head, "|" + "---|" * (14 + (2 if times is not None else 0))]
+    rows = [head, "|" + "---|" * (14 + tp + (2 if times is not None else 0))]
     for i, plan in enumerate(plans):
         cats = plan.peak_snapshot.by_category
         moved = plan.bytes_per_step()
@@ -83,6 +95,7 @@ def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
             + " | ".join(_gib(cats[k]) for k in ("sharded_params", "gradients", "optimizer_state",
                                                  "unsharded_params", "communication", "buffers", "activations"))
             + " | " + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")) + " |"
+            + (f" {_gib(sum(n for k, n in moved.items() if k.startswith('dtensor_')))} |" if tp else "")
             + (f" {times[i].step_s * 1e3:.3g} | {times[i].exposed_s * 1e3:.3g} |" if times is not None else "")
         )
     return "\n".join(rows)
@@ -94,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-shape", required=True, help="one rank's batch, e.g. 1x2048")
     p.add_argument("--input-dtype", default="long", choices=sorted(DTYPES))
     p.add_argument("--mesh", action="append", required=True, help="N or RxS; repeat for several")
+    p.add_argument("--mesh-dim-names", default=None, help="names of the mesh dims, e.g. dp,tp (with --shard-fn)")
+    p.add_argument("--shard-fn", default=None,
+                   help="module:function or file.py:function taking (model, mesh) and applying fully_shard (and TP)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
@@ -102,7 +118,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--flops", default=None, help="compute rate for the estimate: FLOP/s, or 'measure' (on this machine)")
     p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
     args = p.parse_args(argv)
-    meshes = [parse_mesh(m) for m in args.mesh]  # all checked before any simulation runs
+    if args.shard_fn and args.param_dtype != "fp32":
+        raise SystemExit("--param-dtype sets the default shard_fn's MixedPrecisionPolicy; with --shard-fn, pass mp_policy "
+                         "to fully_shard in your function")
+    names = tuple(args.mesh_dim_names.split(",")) if args.mesh_dim_names else None
+    if names is not None and args.shard_fn is None:
+        raise SystemExit("--mesh-dim-names needs --shard-fn (a function (model, mesh) that uses the names)")
+    meshes = [parse_mesh(m, len(names) if names else None) for m in args.mesh]  # all checked before any simulation runs
     try:
         shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     except ValueError:
@@ -117,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--flops must be positive, got {args.flops!r}")
     cluster = args.cluster or f"h100-nvlink-ib400-{args.param_dtype}"
     build = load_builder(args.builder)
+    shard_fn = load_builder(args.shard_fn) if args.shard_fn else None
     inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
     mp = None
     if args.param_dtype == "bf16":
@@ -124,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plans = [
-        simulate(build, inputs, mesh_shape=m, mp_policy=mp, steps=args.steps,
+        simulate(build, inputs, mesh_shape=m, mesh_dim_names=names, shard_fn=shard_fn, mp_policy=mp, steps=args.steps,
                  optimizer=None if args.optimizer == "none" else args.optimizer)
         for m in meshes
     ]

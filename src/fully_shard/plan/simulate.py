@@ -70,10 +70,12 @@ class Plan:
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes each kind of collective moves per step on this rank (all-gather output,
-        reduce-scatter input, all-reduce buffer)."""
+        reduce-scatter input, all-reduce buffer); DTensor's own (tensor parallel) under
+        ``dtensor_<op>``."""
         out: dict[str, int] = {}
         for r in self.collectives:
-            out[r.op] = out.get(r.op, 0) + r.nbytes
+            key = f"dtensor_{r.op}" if r.phase.startswith("dtensor_") else r.op
+            out[key] = out.get(key, 0) + r.nbytes
         return out
 
     def summary(self) -> str:
@@ -84,7 +86,8 @@ class Plan:
             + (f" (and {self.host_peak_bytes / GiB:.3f} GiB on the host)" if self.host_peak_bytes else ""),
             f"  at '{peak.label}': " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in peak.by_category.items() if v),
             "collectives per step: " + ", ".join(
-                f"{op} x{sum(r.op == op for r in self.collectives)} ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
+                f"{op} x{sum(op in (r.op, f'dtensor_{r.op}') and op.startswith('dtensor_') == r.phase.startswith('dtensor_') for r in self.collectives)}"
+                f" ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
             ),
         ]
         return "\n".join(lines)
