@@ -215,6 +215,12 @@ def test_compute_rate_measured_on_this_machine():
     n = sum(p.numel() for p in model.parameters())
     assert (rate.parameters, rate.tokens, rate.device) == (n, BATCH[0] * BATCH[1], "cpu")
     assert rate.seconds > 0 and rate.flops == 6 * n * rate.tokens / rate.seconds
+    assert rate.optimizer_seconds > 0 and rate.optimizer_elements_per_s == n / rate.optimizer_seconds
+    from fully_shard.plan import PRESETS
+
+    here = rate.on(PRESETS["h100-nvlink-ib400-fp32"])
+    assert (here.flops, here.optimizer_elements_per_s, here.intra) == (rate.flops, rate.optimizer_elements_per_s,
+                                                                       PRESETS["h100-nvlink-ib400-fp32"].intra)
     plan = Plan((1,), 0, [], [], module_params={"": n}, tokens=rate.tokens)
     assert plan.estimate("h100-nvlink-ib400-fp32", flops=rate.flops).compute_s == pytest.approx(rate.seconds, rel=1e-12)
     with pytest.raises(ValueError, match="no tensor to count tokens"):
@@ -269,6 +275,20 @@ def test_collective_and_step_time_model():
     backward = max(2 * 2.2e-3 + 2 * tp, r) + g + r
     assert t.step_s == pytest.approx(forward + backward, rel=1e-12) and t.compute_s == pytest.approx(3 * 2.2e-3)
     assert t.communication_s == pytest.approx(3 * g + 2 * r + 3 * tp)
+
+    # Offload and the optimizer: a's 10^8 offloaded bytes go to the device before each of its
+    # all-gathers and back after its reduce-scatter (on the host link, with the collective); the
+    # host steps 10^8 elements, the device 10^9, after backward.
+    plan.collectives = records
+    plan.module_offload_bytes, plan.offloaded_elements, plan.device_elements = {"a": 10**8}, 10**8, 10**9
+    t = plan.estimate(cluster)
+    copy = cluster.host.latency_s + 10**8 / cluster.host.bytes_per_s
+    forward = g + max(0.2e-3, g + copy) + max(2e-3, 0.0)
+    backward = max(2 * 2.2e-3, r + copy) + (g + copy) + r  # a's reduction (and its copy back) overlaps compute
+    host, device = 10**8 / cluster.host_optimizer_elements_per_s, 10**9 / cluster.optimizer_elements_per_s
+    assert t.step_s == pytest.approx(forward + backward + host + device, rel=1e-12)
+    assert (t.host_optimizer_s, t.optimizer_s) == (host, device)
+    assert t.communication_s == pytest.approx(3 * g + 2 * r + 3 * copy)
 
 
 def test_recommend_ranks_the_settings_that_fit():

@@ -157,8 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         rate = measure_flops(build, inputs, dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
         flops = rate.flops
         print(f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms "
-              f"= {rate.flops / 1e12:.3f} TFLOP/s")
-    times = [plan.estimate(cluster, flops=flops) for plan in plans]
+              f"= {rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms "
+              f"= {rate.optimizer_elements_per_s:.3g} elements/s")
+    priced = PRESETS[cluster] if args.flops != "measure" else rate.on(PRESETS[cluster])
+    times = [plan.estimate(priced, flops=flops) for plan in plans]
     rate_text = f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
     print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
           f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps. "

@@ -3,21 +3,26 @@ real forward and backward of it here (the alternative to a preset's number)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
+
+if TYPE_CHECKING:
+    from .timing import Cluster
 
 
 @dataclass(frozen=True)
 class ComputeRate:
     """What one measurement found: ``flops`` (per second) = ``6 * parameters * tokens / seconds``,
     the count `timing.estimate` prices compute with, so a one-rank plan of the same model and
-    batch estimates ``seconds`` of compute again."""
+    batch estimates ``seconds`` of compute again; and AdamW's step over the same parameters
+    (``optimizer_elements_per_s``, the rate `timing.estimate` prices the device's step with)."""
 
     flops: float
     seconds: float  # median forward + backward time
@@ -25,6 +30,12 @@ class ComputeRate:
     tokens: int
     device: str
     dtype: Optional[torch.dtype]
+    optimizer_seconds: float = 0.0  # median AdamW step
+    optimizer_elements_per_s: float = 0.0
+
+    def on(self, cluster: "Cluster") -> "Cluster":
+        """``cluster`` computing and stepping the optimizer at these rates."""
+        return dataclasses.replace(cluster, flops=self.flops, optimizer_elements_per_s=self.optimizer_elements_per_s)
 
 
 def _device() -> torch.device:
@@ -38,8 +49,8 @@ def measure_flops(
 ) -> ComputeRate:
     """Build the model on ``device`` (default: this machine's accelerator, else the CPU) for real,
     optionally cast to ``dtype`` (e.g. bfloat16, to price mixed-precision compute), and time
-    ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch) after one
-    warm-up. It allocates the whole model, its gradients and activations: for a model that does
+    ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch), and AdamW's
+    step after each, after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
     not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
     from .simulate import _tokens
 
@@ -61,7 +72,9 @@ def measure_flops(
         if where.type != "cpu":
             torch.accelerator.synchronize(where)
 
-    def one() -> float:
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def one() -> tuple[float, float]:
         sync()
         start = time.perf_counter()
         if isinstance(inputs, dict):
@@ -73,12 +86,17 @@ def measure_flops(
         loss = loss_fn(out) if loss_fn is not None else out.float().sum()
         loss.backward()
         sync()
-        seconds = time.perf_counter() - start
-        for p in params:
-            p.grad = None
-        return seconds
+        middle = time.perf_counter()
+        optimizer.step()
+        sync()
+        end = time.perf_counter()
+        optimizer.zero_grad()
+        return middle - start, end - middle
 
-    one()  # warm-up: allocator, kernels' first-call costs
-    seconds = statistics.median(one() for _ in range(repeats))
+    one()  # warm-up: allocator, kernels' first-call costs, the optimizer's state
+    runs = [one() for _ in range(repeats)]
+    seconds = statistics.median(r[0] for r in runs)
+    step = statistics.median(r[1] for r in runs)
     n = sum(p.numel() for p in model.parameters())
-    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype)
+    stepped = sum(p.numel() for p in params)
+    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, stepped / step)

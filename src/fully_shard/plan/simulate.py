@@ -43,6 +43,7 @@ class Plan:
     # and the elements the optimizer steps on the host.
     module_offload_bytes: dict[str, int] = field(default_factory=dict)
     offloaded_elements: int = 0
+    device_elements: int = 0  # this rank's sharded elements the optimizer steps on the device
 
     def estimate(self, cluster: Any = "h100-nvlink-ib400-bf16", tokens: Optional[int] = None,
                  flops: Optional[float] = None) -> "StepTime":
@@ -246,13 +247,15 @@ def from_trace(t: Any, step: Optional[int] = None) -> Plan:
                          "fully_shard.debug.trace(memory=True, optimizers=[optimizer]).")
     memory, states = t.memory, t.memory.states
     shards = {s.fqn: [p for g in s.own for p in g.params if p.offload] for s in states}
+    on_device = [p for s in states for g in s.own for p in g.params if not p.offload and p.requires_grad]
     return Plan(
         memory.mesh_shape, memory.counter.peak, list(memory.counter.timeline),
         [r for r in t.records if step is None or r.step == step],
         sum(p.numel() for p in {id(p): p for s in states for m in s.modules for p in m.parameters()}.values()),
         {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}, 0, memory.counter.host_peak,
         {m: sum(_padded_shard_bytes(p) for p in ps) for m, ps in shards.items() if ps},
-        sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps),
+        sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps) if memory.optimizers else 0,
+        sum(_local(p.sharded_param).numel() for p in on_device) if memory.optimizers else 0,
     )
 
 

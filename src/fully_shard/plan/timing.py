@@ -21,7 +21,10 @@ dense-layer count; attention's sequence-squared term is left out), at ``flops`` 
 Offload (``CPUOffloadPolicy``): an offloaded shard's copy to the device (before its all-gather)
 and its gradient's copy back (after its reduce-scatter) are priced on the cluster's host link and
 added to that collective; the host's optimizer step over the offloaded elements follows backward,
-exposed. The device's own optimizer step is not priced (memory-bound, small next to the rest).
+exposed.
+
+Optimizer: this rank's sharded elements on the device at ``optimizer_elements_per_s`` (AdamW is
+memory-bound), after backward, exposed.
 
 Overlap (what the schedule does): in forward, the next module's all-gather runs while this one
 computes, so each module costs the larger of its compute and the next all-gather, and the first
@@ -57,6 +60,7 @@ class Cluster:
     flops: float  # achieved FLOP/s of one device for the model's matmuls
     host: Link = Link(10e-6, 25e9)  # host <-> device copies, per device
     host_optimizer_elements_per_s: float = 2e8  # AdamW on the host, per device's share of the CPU
+    optimizer_elements_per_s: float = 1e11  # AdamW on the device (memory-bound)
 
     def link(self, first_rank: int, last_rank: int) -> Link:
         """The link a group of global ranks ``first_rank .. last_rank`` crosses."""
@@ -68,11 +72,13 @@ class Cluster:
 # 989 TFLOP/s; and the same nodes computing in fp32 (about 50 TFLOP/s without TF32). Host side
 # (every preset): PCIe Gen5 x16 shared by two GPUs per switch, about 25 GB/s each way per GPU;
 # PyTorch's AdamW on the CPU at about 2e8 elements/s per GPU's share of the cores (it reads and
-# writes 28 bytes per fp32 element; a rough figure: set your own).
+# writes 28 bytes per fp32 element; a rough figure: set your own). AdamW on the device is
+# memory-bound too: 28 bytes per element at about 2.8 TB/s achieved of an H100's 3.35 (1e11
+# elements/s), 1.6 of an A100's 2.0 (6e10).
 PRESETS = {
     "h100-nvlink-ib400-bf16": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 400e12),
     "h100-nvlink-ib400-fp32": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 50e12),
-    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12),
+    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12, optimizer_elements_per_s=6e10),
 }
 
 
@@ -92,11 +98,13 @@ class StepTime:
     communication_s: float  # every collective, as if nothing overlapped
     exposed_s: float  # communication not hidden behind compute
     host_optimizer_s: float = 0.0  # the optimizer step of offloaded parameters, on the host, after backward
+    optimizer_s: float = 0.0  # the optimizer step on the device, after backward
 
     def __str__(self) -> str:
         host = f", host optimizer {self.host_optimizer_s * 1e3:.1f} ms" if self.host_optimizer_s else ""
         return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, communication "
-                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms{host})")
+                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms, optimizer "
+                f"{self.optimizer_s * 1e3:.1f} ms{host})")
 
 
 def _unit(module: str, units: dict[str, int]) -> str:
@@ -120,6 +128,7 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
             cost[id(r)] += copy
             host_copies += copy
     host_optimizer = plan.offloaded_elements / cluster.host_optimizer_elements_per_s
+    optimizer = plan.device_elements / cluster.optimizer_elements_per_s
     # DTensor's collectives (tensor parallel) block the compute that needs them: they count as
     # their unit's compute, forward or backward.
     tp_fwd = dict.fromkeys(fwd, 0.0)
@@ -156,6 +165,6 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it
     b_time = max(b_compute, comm - first - last) + first + last
     total_comm = sum(cost.values())
-    step = f_time + b_time + host_optimizer
+    step = f_time + b_time + optimizer + host_optimizer
     compute_total = 3 * sum(fwd.values())
-    return StepTime(step, compute_total, total_comm, max(0.0, f_time + b_time - compute_total), host_optimizer)
+    return StepTime(step, compute_total, total_comm, max(0.0, f_time + b_time - compute_total), host_optimizer, optimizer)
