@@ -13,6 +13,7 @@ optimizer). Prints one markdown row per quantity with the errors, for `docs/plan
 
 Options: --model {small,1b} (the 1.1B Llama needs a GPU with ~24 GiB) --batch B --seq-len S
          --steps N (timed steps) --offload (CPUOffloadPolicy: also compares host bytes)
+         --json FILE (the numbers, for tests/test_gpu.py)
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--offload", action="store_true")
+    p.add_argument("--json", default=None)
     args = p.parse_args()
     sim = simulated(args)
 
@@ -139,6 +141,10 @@ def main() -> None:
               f"elements/s, both measured here) | {estimate.step_s * 1e3:.1f} ms | "
               f"{step * 1e3:.1f} ms (median of {len(times)}, {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}) | "
               f"{err(estimate.step_s, step)} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"simulated": sim, "measured_peak": real.peak_bytes, "measured_host": real.host_peak_bytes,
+                           "max_memory_allocated": allocator, "estimate_s": estimate.step_s, "step_s": step}, f)
     finally:
         dist.destroy_process_group()
 
