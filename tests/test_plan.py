@@ -403,6 +403,7 @@ def test_live_bytes_counts_resizes_and_wrapper_subclasses():
 
     counter = LiveBytes("cpu")
     outside = TwoTensor(torch.zeros(4), torch.zeros(4))  # made before counting starts
+    host = torch.ones(8)  # 32 bytes, tracked as the host's below (on a CPU, host and device are one)
     with counter:
         a = torch.empty(100)  # 400 bytes
         assert counter.current == 400
@@ -420,4 +421,25 @@ def test_live_bytes_counts_resizes_and_wrapper_subclasses():
         assert counter.current == 64 and isinstance(doubled, TwoTensor)
         del doubled
         assert counter.current == 32
-    assert counter.peak == 1200
+        counter.track([host], host=True)
+        derived = host * 2  # from host storages only: the host's too
+        assert (counter.current, counter.host_current) == (32, 32 + 32)
+        sparse = torch.eye(2).to_sparse() * 3  # a sparse op beside host tensors: no storage to read
+        assert sparse.is_sparse and counter.host_current == 64
+        del derived
+        assert counter.host_current == 32
+    assert counter.peak == 1200 and counter.host_peak == 64
+
+
+def test_a_memory_trace_without_a_root_says_so():
+    from fully_shard.debug import trace
+    from fully_shard.plan import from_trace
+
+    with trace(memory=True) as t:
+        torch.ones(3) * 2
+    with pytest.raises(ValueError, match="no fully_shard root ran inside this trace"):
+        from_trace(t)
+    with trace() as t:
+        pass
+    with pytest.raises(ValueError, match="counted no memory"):
+        from_trace(t)

@@ -312,9 +312,10 @@ class FSDPParam:
         every rank sends), flat, as bytes."""
         assert self.ext is not None and self.ext.hooks is not None
         local, hooks = self.local_shard, self.ext.hooks
-        if self.offload and local.device != self.info.device:  # the hooks run on the device copy, as PyTorch's do
+        if self.offload:  # the hooks run on the device copy, as PyTorch's do
             local = to_device(local, self.info.device, self.pin_memory)
-            hooks = hooks_of(local, self.codec, self.path) or hooks  # methods set on the host tensor stay bound to it
+            if local is not self.local_shard:
+                hooks = hooks_of(local, self.codec, self.path) or hooks  # methods set on the host tensor stay bound to it
         shape = self.shape  # under TP, the TP-local shape (what this library shards)
         inputs = self.ext.inputs(
             hooks, local, mesh=self.info.shard_mesh, outer_size=shape, outer_stride=_contiguous_stride(shape),

@@ -50,7 +50,7 @@ def measure_flops(
     """Build the model on ``device`` (default: this machine's accelerator, else the CPU) for real,
     optionally cast to ``dtype`` (e.g. bfloat16, to price mixed-precision compute), and time
     ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch), and AdamW's
-    step after each, after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
+    step after each (on fp32 parameters, as the engine's shards are), after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
     not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
     from .simulate import _tokens
 
@@ -65,14 +65,20 @@ def measure_flops(
         model = build_model()
     if dtype is not None:
         model.to(dtype)
-    inputs = tree_map_only(torch.Tensor, lambda t: t.to(where), sample_inputs)
+    cast = dtype if dtype is not None and dtype.is_floating_point else None
+    inputs = tree_map_only(
+        torch.Tensor, lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype), sample_inputs
+    )
     params = [p for p in model.parameters() if p.requires_grad]
+    # The optimizer steps fp32 shards whatever the compute dtype (MixedPrecisionPolicy keeps them
+    # so): time it on fp32 copies of the parameters when the model computes in another dtype.
+    stepped = params if dtype is None else [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
 
     def sync() -> None:
         if where.type != "cpu":
             torch.accelerator.synchronize(where)
 
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(stepped, lr=1e-4)
 
     def one() -> tuple[float, float]:
         sync()
@@ -87,10 +93,17 @@ def measure_flops(
         loss.backward()
         sync()
         middle = time.perf_counter()
+        if stepped is not params:
+            for copy, p in zip(stepped, params):
+                copy.grad = p.grad.float() if p.grad is not None else None
+            sync()
+            middle = time.perf_counter()
         optimizer.step()
         sync()
         end = time.perf_counter()
         optimizer.zero_grad()
+        for p in params:
+            p.grad = None
         return middle - start, end - middle
 
     one()  # warm-up: allocator, kernels' first-call costs, the optimizer's state
@@ -98,5 +111,5 @@ def measure_flops(
     seconds = statistics.median(r[0] for r in runs)
     step = statistics.median(r[1] for r in runs)
     n = sum(p.numel() for p in model.parameters())
-    stepped = sum(p.numel() for p in params)
-    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, stepped / step)
+    elements = sum(p.numel() for p in stepped)
+    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, elements / step)

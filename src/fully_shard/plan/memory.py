@@ -13,7 +13,8 @@ tracked as the host's, those the engine makes for the host (`fully_shard.host.al
 what any op makes from host storages only (the optimizer's state and temporaries). On a real
 accelerator run that is the CPU; in a meta simulation the host is meta too, told apart this way.
 
-Wrapper subclasses (DTensor, all-gather extensions' weights) are counted by their inner tensors;
+Wrapper subclasses (DTensor, all-gather extensions' weights) are counted by their inner tensors
+(sparse tensors are not counted);
 a storage grown or shrunk by ``Tensor.resize_`` is re-measured. Frees may come from the engine's
 release thread, so the counts are kept under a lock.
 """
@@ -71,7 +72,7 @@ class LiveBytes(TorchDispatchMode):
         self.host_peak = 0
         self.timeline: list[Snapshot] = []
         self._orig_resize: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection inside a counted block may free a storage: _freed re-enters
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -89,6 +90,11 @@ class LiveBytes(TorchDispatchMode):
                 for name in t.__tensor_flatten__()[0]:
                     self._add(getattr(t, name), host)
             return
+        if t.layout != torch.strided:
+            return  # sparse or other layouts: no storage of their own to count (not the engine's)
+        # Host bytes live on the CPU (in a meta simulation, on meta): an op that copies a host
+        # tensor to the accelerator makes device memory, whatever its inputs.
+        host = host and t.device.type == ("meta" if self.device_type == "meta" else "cpu")
         if t.device.type not in (self.device_type, "cpu") or (t.device.type != self.device_type and not host):
             return  # another device (or CPU memory that is not this run's host)
         storage = t.untyped_storage()
@@ -125,20 +131,27 @@ class LiveBytes(TorchDispatchMode):
                 self.host_sizes[key] = nbytes
                 self.host_peak = max(self.host_peak, self.host_current)
 
-    def _is_host(self, t: torch.Tensor) -> bool:
-        t = _local(t)
-        return type(t) in (torch.Tensor, torch.nn.Parameter) and t.untyped_storage()._cdata in self.host_sizes
-
     def _from_host(self, args: Any, kwargs: Any) -> bool:
-        """Whether an op's outputs are the host's: the engine is allocating for the host, or every
-        input with storage is a host storage (and there is one)."""
+        """Whether an op's outputs may be the host's: the engine is allocating for the host, or
+        every input with storage is a host storage (and there is one). `_add` then keeps only
+        outputs on the host's device."""
         if is_allocating():
             return True
         if not self.host_sizes:
             return False
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        stored = [t for t in inputs if _local(t).untyped_storage().nbytes() > 0 or self._is_host(t)]
-        return bool(stored) and all(self._is_host(t) for t in stored)
+        seen = False
+        for t in tree_flatten((args, kwargs))[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            local = _local(t)
+            if local.layout != torch.strided or type(local) not in (torch.Tensor, torch.nn.Parameter):
+                return False  # sparse, nested or another subclass: not the engine's host tensors
+            storage = local.untyped_storage()
+            if storage._cdata in self.host_sizes:
+                seen = True
+            elif storage.nbytes() > 0:
+                return False
+        return seen
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         host = self._from_host(args, kwargs)
@@ -189,6 +202,7 @@ def track_model(counter: LiveBytes, states: list[Any], optimizers: list[torch.op
     offloaded = [p.sharded_param for s in states for g in s.own for p in g.params if p.offload]
     host_ids = {id(p) for p in offloaded}
     params = list({id(p): p for s in states for m in s.modules for p in m.parameters()}.values())
+    mine = {id(p) for p in params}
     counter.track(offloaded, host=True)
     counter.track((p.grad for p in offloaded), host=True)
     counter.track(p for p in params if id(p) not in host_ids)
@@ -196,7 +210,8 @@ def track_model(counter: LiveBytes, states: list[Any], optimizers: list[torch.op
     counter.track(p.grad for p in params if id(p) not in host_ids)
     for opt in optimizers:  # state from earlier steps (or a checkpoint) is live from the start
         for param, entry in opt.state.items():
-            counter.track(entry.values(), host=id(param) in host_ids)
+            if id(param) in mine:
+                counter.track(entry.values(), host=id(param) in host_ids)
 
 
 class TraceMemory:
@@ -221,7 +236,7 @@ class TraceMemory:
             self.counter.device_type = info.device.type
             self.mesh_shape = tuple(info.mesh.shape)
         self.states += new
-        track_model(self.counter, new, self.optimizers if len(self.states) == len(new) else [])
+        track_model(self.counter, new, self.optimizers)
 
     def snapshot(self, label: str) -> None:
         self.counter.snapshot(label)

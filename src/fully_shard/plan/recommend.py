@@ -65,7 +65,9 @@ def recommend(
       other setting).
 
     Returns the options that fit ``bytes_per_rank`` (device memory) first, fastest first, then the
-    rest, smallest first."""
+    rest, smallest first. Each option is one simulation (the defaults make 5 per layout and dtype,
+    7 for FSDP beyond a node: 44 for 512 ranks of 8-GPU nodes, about 90 s for a 1B model on a
+    2-core CPU); narrow an axis to go faster."""
     if isinstance(cluster, str):
         if cluster not in PRESETS:
             raise ValueError(f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster.")

@@ -209,8 +209,9 @@ def measure(
                          "fully_shard(model, mesh=mesh).")
     from ..debug import attach_active_traces
 
+    ctx = root.root_context()  # lazy init first, outside the counting modes
     with trace(dtensor=True, memory=True, optimizers=[optimizer] if optimizer is not None else []) as t:
-        attach_active_traces(root.root_context())  # lazy init, and the model is counted from here
+        attach_active_traces(ctx)  # the model is counted from here
         for _ in range(steps):
             t.memory.new_step()
             t.memory.snapshot("step start")
@@ -245,6 +246,9 @@ def from_trace(t: Any, step: Optional[int] = None) -> Plan:
     if t.memory is None:
         raise ValueError("plan.from_trace: this trace counted no memory. Fix: open it with "
                          "fully_shard.debug.trace(memory=True, optimizers=[optimizer]).")
+    if not t.memory.states:
+        raise ValueError("plan.from_trace: no fully_shard root ran inside this trace (nothing was counted). Fix: run "
+                         "the model's forward (or unshard()) inside the `with trace(memory=True)` block.")
     memory, states = t.memory, t.memory.states
     shards = {s.fqn: [p for g in s.own for p in g.params if p.offload] for s in states}
     on_device = [p for s in states for g in s.own for p in g.params if not p.offload and p.requires_grad]
