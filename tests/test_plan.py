@@ -303,14 +303,38 @@ kw = dict(world_size=16, cluster=cluster, bucket_sizes=(None, 0))
 probe = recommend(build, x, bytes_per_rank=2**40, **kw)
 budget = sorted(o.plan.peak_bytes for o in probe)[len(probe) // 2]
 options = recommend(build, x, bytes_per_rank=budget, **kw)
+sys.path.insert(0, {HERE!r})
+import test_plan
+from fully_shard.plan import Candidate
+few = dict(shard_sizes=[], param_dtypes=("fp32",), bucket_sizes=(None,), offload=(False,))
+tp = Candidate("tp", (8, 2), test_plan._tp_shard, ("dp", "tp"))
+more = recommend(build, x, world_size=16, cluster=cluster, bytes_per_rank=2**40, int8_all_gather=(True, False),
+                 candidates=[tp], **few)
+def row(o):
+    ag = o.plan.bytes_per_step()
+    return ["x".join(map(str, o.mesh_shape)), o.label or ("int8" if o.int8_all_gather else o.param_dtype),
+            len(o.plan.collectives) - sum(r.phase.startswith("dtensor_") for r in o.plan.collectives), ag["all_gather"],
+            ag.get("dtensor_all_reduce", 0), int(o.label == "tp" and str(o).startswith("mesh      8x2  tp (params fp32)")),
+            str(o.reshard_after_forward)]
 print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.reshard_after_forward), o.param_dtype,
     o.plan.peak_bytes, o.time.step_s, o.fits, o.bucket_bytes, o.offload, o.plan.host_peak_bytes, len(o.plan.collectives)]
-    for o in options]}}))
+    for o in options], "extra": [row(o) for o in more]}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     options, budget = result["options"], result["budget"]
+    extra = result["extra"]
+    # int8 all-gathers (opt-in): the same schedule, a quarter of the fp32 all-gather bytes and then
+    # some (a float32 scale per row); the TP candidate on a (8 dp, 2 tp) mesh: its label, DTensor's
+    # all-reduces priced, ranked with the rest.
+    by = {(o[0], o[1], o[6]): o for o in extra}
+    assert sorted(by) == sorted([("16", k, r) for k in ("int8", "fp32") for r in ("True", "False", "8")] + [("8x2", "tp", "")])
+    for r in ("True", "False", "8"):
+        int8, fp32 = by[("16", "int8", r)], by[("16", "fp32", r)]
+        assert int8[2] == fp32[2] and fp32[3] / 4 < int8[3] < fp32[3] / 2, (int8, fp32)
+    tp = by[("8x2", "tp", "")]
+    assert tp[4] > 0 and tp[5] == 1, tp
     # FSDP over 16 (reshard True / False / 8) and HSDP 2x8 (True / False), each in fp32 and bf16,
     # each offloaded or not; reshard True on the device also with bucketing off (0).
     expected = []

@@ -6,10 +6,10 @@ from .compute import ComputeRate, measure_flops
 from .draw import draw
 from .memory import CATEGORIES, LiveBytes, Snapshot
 from .simulate import Plan, default_shard_fn, from_trace, measure, simulate
-from .recommend import Option, recommend
+from .recommend import Candidate, Option, recommend
 from .timing import PRESETS, Cluster, Link, StepTime
 
 __all__ = [
-    "CATEGORIES", "PRESETS", "Cluster", "ComputeRate", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
+    "CATEGORIES", "PRESETS", "Candidate", "Cluster", "ComputeRate", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
     "draw", "from_trace", "measure", "measure_flops", "recommend", "simulate",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -15,27 +17,46 @@ from .simulate import Plan, default_shard_fn, simulate
 from .timing import PRESETS, Cluster, StepTime
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A setting of your own for `recommend` to rank with the ones it makes, e.g. tensor parallel:
+    a ``shard_fn(model, mesh)`` that calls ``parallelize_module`` and ``fully_shard`` on a mesh of
+    ``mesh_shape`` named ``mesh_dim_names``. ``param_dtype`` ("fp32" / "bf16") says which compute
+    rate prices it (set the policy itself in ``shard_fn``)."""
+
+    label: str
+    mesh_shape: tuple[int, ...]
+    shard_fn: Callable[[nn.Module, Any], None]
+    mesh_dim_names: Optional[tuple[str, ...]] = None
+    param_dtype: str = "fp32"
+
+
 @dataclass
 class Option:
     """One setting tried: its mesh, ``reshard_after_forward``, parameter dtype, bucket budget
     (None: the default), whether shards are offloaded, and what the simulation says about it."""
 
     mesh_shape: tuple[int, ...]
-    reshard_after_forward: Union[bool, int]
+    reshard_after_forward: Union[bool, int, str]  # "" for a Candidate
     param_dtype: str
     plan: Plan
     time: StepTime
     fits: bool
     bucket_bytes: Optional[int] = None
     offload: bool = False
+    int8_all_gather: bool = False
+    label: str = ""  # a `Candidate`'s
 
     def __str__(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
+        host = f" (+{self.plan.host_peak_bytes / 2**30:.2f} host)" if self.plan.host_peak_bytes else ""
+        tail = f"peak {self.plan.peak_bytes / 2**30:6.2f} GiB{host}  {self.time}" + ("" if self.fits else "  (does not fit)")
+        if self.label:
+            return f"mesh {mesh:>8}  {self.label} (params {self.param_dtype})  {tail}"
         bucket = "default" if self.bucket_bytes is None else f"{self.bucket_bytes / 2**20:g} MiB"
-        host = f" (+{self.plan.host_peak_bytes / 2**30:.2f} host)" if self.offload else ""
         return (f"mesh {mesh:>8}  reshard_after_forward={str(self.reshard_after_forward):<5}  params {self.param_dtype}  "
                 f"bucket {bucket:>8}  offload {'yes' if self.offload else 'no ':<3}  "
-                f"peak {self.plan.peak_bytes / 2**30:6.2f} GiB{host}  {self.time}" + ("" if self.fits else "  (does not fit)"))
+                + ("int8 all-gather  " if self.int8_all_gather else "") + tail)
 
 
 def recommend(
@@ -49,6 +70,8 @@ def recommend(
     param_dtypes: Sequence[str] = ("fp32", "bf16"),
     bucket_sizes: Sequence[Optional[int]] = (None, 2**28),
     offload: Sequence[bool] = (False, True),
+    int8_all_gather: Sequence[bool] = (False,),
+    candidates: Sequence[Candidate] = (),
     optimizer: Union[str, Callable, None] = "adamw",
     steps: int = 2,
 ) -> list[Option]:
@@ -62,7 +85,10 @@ def recommend(
     * with ``reshard_after_forward=True`` (the schedule buckets follow), the root's
       ``set_bucket_bytes`` budgets in ``bucket_sizes`` (None: the default, 1 MiB);
     * ``CPUOffloadPolicy`` or not (``offload``; offloaded groups are never bucketed, so once per
-      other setting).
+      other setting);
+    * int8 all-gathers (``fully_shard.quant.Int8AllGather``) if ``int8_all_gather`` holds True
+      (off by default: they change the numerics, see docs/extensions.md);
+    * and your own ``candidates`` (`Candidate`: tensor parallel layouts, anything a shard_fn does).
 
     Returns the options that fit ``bytes_per_rank`` (device memory) first, fastest first, then the
     rest, smallest first. Each option is one simulation (the defaults make 5 per layout and dtype,
@@ -75,8 +101,13 @@ def recommend(
     unknown = [d for d in param_dtypes if d not in ("fp32", "bf16")]
     if unknown or not param_dtypes:
         raise ValueError(f"recommend(param_dtypes={tuple(param_dtypes)!r}): choose from 'fp32' and 'bf16'.")
-    if not bucket_sizes or not offload:
-        raise ValueError("recommend: bucket_sizes and offload each need at least one value (e.g. (None,) and (False,)).")
+    if not bucket_sizes or not offload or not int8_all_gather:
+        raise ValueError("recommend: bucket_sizes, offload and int8_all_gather each need at least one value "
+                         "(e.g. (None,), (False,) and (False,)).")
+    for c in candidates:
+        if math.prod(c.mesh_shape) != world_size or c.param_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"recommend: candidate {c.label!r} has mesh {tuple(c.mesh_shape)} for world_size={world_size} "
+                             f"and param_dtype {c.param_dtype!r}. Fix: a mesh of world_size ranks, 'fp32' or 'bf16'.")
     node = cluster.gpus_per_node
     sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]
     layouts: list[tuple[int, ...]] = [(world_size,)]
@@ -85,23 +116,40 @@ def recommend(
 
     policies = {"fp32": None, "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     options = []
+
+    def priced(plan: Plan, dtype: str) -> StepTime:
+        rate = cluster.flops if dtype == "bf16" else cluster.flops / 8
+        return plan.estimate(dataclasses.replace(cluster, flops=rate))
+
     for mesh in layouts:
         shard = mesh[-1]
         reshards: list[Union[bool, int]] = [True, False] + ([node] if len(mesh) == 1 and shard > node and shard % node == 0 else [])
         for reshard in reshards:
             for dtype in param_dtypes:
-                for off in dict.fromkeys(offload):
+                for off, int8 in itertools.product(dict.fromkeys(offload), dict.fromkeys(int8_all_gather)):
                     buckets = list(dict.fromkeys(bucket_sizes)) if reshard is True and not off else [None]
                     for bucket in buckets:
                         shard_fn = functools.partial(
-                            default_shard_fn, mp_policy=policies[dtype], reshard_after_forward=reshard,
-                            offload_policy=CPUOffloadPolicy() if off else None, bucket_bytes=bucket,
+                            _shard, mp_policy=policies[dtype], reshard_after_forward=reshard,
+                            offload_policy=CPUOffloadPolicy() if off else None, bucket_bytes=bucket, int8=int8,
                         )
                         plan = simulate(build_model, sample_inputs, mesh_shape=mesh, shard_fn=shard_fn, optimizer=optimizer,
                                         steps=steps)
-                        rate = cluster.flops if dtype == "bf16" else cluster.flops / 8
-                        time = plan.estimate(dataclasses.replace(cluster, flops=rate))
-                        options.append(Option(mesh, reshard, dtype, plan, time, plan.fits(bytes_per_rank), bucket, off))
+                        options.append(Option(mesh, reshard, dtype, plan, priced(plan, dtype), plan.fits(bytes_per_rank),
+                                              bucket, off, int8))
+    for c in candidates:
+        plan = simulate(build_model, sample_inputs, mesh_shape=c.mesh_shape, mesh_dim_names=c.mesh_dim_names,
+                        shard_fn=c.shard_fn, optimizer=optimizer, steps=steps)
+        options.append(Option(tuple(c.mesh_shape), "", c.param_dtype, plan, priced(plan, c.param_dtype),
+                              plan.fits(bytes_per_rank), label=c.label))
     fitting = sorted((o for o in options if o.fits), key=lambda o: o.time.step_s)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.plan.peak_bytes)
     return fitting + rest
+
+
+def _shard(model: nn.Module, mesh: Any, *, int8: bool, **settings: Any) -> None:
+    default_shard_fn(model, mesh, **settings)
+    if int8:
+        from ..quant import Int8AllGather
+
+        model.set_all_gather_codec(Int8AllGather())  # type: ignore[operator]
