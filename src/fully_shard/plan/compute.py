@@ -52,7 +52,7 @@ def measure_flops(
     ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch), and AdamW's
     step after each (on fp32 parameters, as the engine's shards are), after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
     not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
-    from .simulate import _tokens
+    from .simulate import _tokens, call
 
     if repeats < 1:
         raise ValueError(f"measure_flops(repeats={repeats}): time at least one pass.")
@@ -83,12 +83,7 @@ def measure_flops(
     def one() -> tuple[float, float]:
         sync()
         start = time.perf_counter()
-        if isinstance(inputs, dict):
-            out = model(**inputs)
-        elif isinstance(inputs, tuple):
-            out = model(*inputs)
-        else:
-            out = model(inputs)
+        out = call(model, inputs)
         loss = loss_fn(out) if loss_fn is not None else out.float().sum()
         loss.backward()
         sync()

@@ -215,12 +215,7 @@ def measure(
         for _ in range(steps):
             t.memory.new_step()
             t.memory.snapshot("step start")
-            if isinstance(inputs, dict):
-                output = model(**inputs)
-            elif isinstance(inputs, tuple):
-                output = model(*inputs)
-            else:
-                output = model(inputs)
+            output = call(model, inputs)
             t.memory.snapshot("forward end")
             loss = loss_fn(output) if loss_fn is not None else output.float().sum()
             loss.backward()
@@ -267,6 +262,15 @@ def _padded_shard_bytes(p: Any) -> int:
     """This rank's padded shard of an `FSDPParam`, in bytes (what an all-gather sends)."""
     layout = p.layout
     return layout.rows * (layout.shape.numel() // max(layout.shape[p.shard_dim], 1)) * p.sharded_param.element_size()
+
+
+def call(model: nn.Module, inputs: Any) -> Any:
+    """``model`` on one batch: a dict of keyword arguments, a tuple of positional ones, or one input."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
 
 
 def _tokens(inputs: Any) -> int:
