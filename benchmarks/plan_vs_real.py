@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from llama_model import Llama, LlamaConfig  # noqa: E402
 
 MODELS = {
-    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, hidden_dim=688, max_seq_len=256),
+    "small": dict(vocab_size=1024, dim=256, n_layers=4, n_heads=4, hidden_dim=688, max_seq_len=2048),
     "1b": dict(vocab_size=32000, dim=2048, n_layers=22, n_heads=16, hidden_dim=5632, max_seq_len=2048),
 }
 

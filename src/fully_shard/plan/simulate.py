@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..debug import CollectiveRecord, trace
 from ..mesh import SIMULATING
+from .attention import FusedAttentionOnMeta
 from .memory import Snapshot, _local
 
 if TYPE_CHECKING:
@@ -184,8 +185,9 @@ def simulate(
         else:
             shard_fn(model, mesh)
         opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        return measure(model, tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs), opt, steps=steps, loss_fn=loss_fn, mesh_shape=shape,
-                       parameters=n_params)
+        with FusedAttentionOnMeta():  # attention as the devices run it (attention.py)
+            return measure(model, tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs), opt, steps=steps,
+                           loss_fn=loss_fn, mesh_shape=shape, parameters=n_params)
     finally:
         try:
             if dist.is_initialized():
