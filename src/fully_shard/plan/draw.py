@@ -43,6 +43,9 @@ def draw(plan: Any, path: str, title: str = "") -> None:
         mem.bar(xs, values, bottom=bottoms, color=COLORS[cat], width=1.0, label=cat.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values)]
     mem.axhline(plan.peak_bytes / GiB, color="black", linestyle="--", linewidth=1, label=f"peak {plan.peak_bytes / GiB:.2f} GiB")
+    if any(s.host for s in plan.timeline):  # CPUOffloadPolicy: the host's bytes, beside the device's
+        mem.plot(xs, [s.host / GiB for s in plan.timeline], color="black", linestyle=":", linewidth=1.5,
+                 label=f"host (offloaded), peak {plan.host_peak_bytes / GiB:.2f} GiB")
     ops = ("all_gather", "reduce_scatter", "all_reduce")
     ticks = [i for i, s in enumerate(plan.timeline) if not any(op in s.label for op in ops)]  # phase boundaries
     mem.set_xticks(ticks, [plan.timeline[i].label for i in ticks], rotation=30, ha="right", fontsize=8)
