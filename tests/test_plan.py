@@ -343,11 +343,12 @@ print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.resh
     # some (a float32 scale per row); the TP candidate on a (8 dp, 2 tp) mesh: its label, DTensor's
     # all-reduces priced, ranked with the rest.
     by = {(o[0], o[1], o[6]): o for o in extra}
-    assert sorted(by) == sorted([("16", k, r) for k in ("int8", "fp32") for r in ("True", "False", "8")] + [("8x2", "tp", "")])
+    assert len(extra) == len(by) == 7  # each setting simulated once
+    assert sorted(by) == sorted([("16", k, r) for k in ("int8", "fp32") for r in ("True", "False", "8")] + [("8x2", "tp", "None")])
     for r in ("True", "False", "8"):
         int8, fp32 = by[("16", "int8", r)], by[("16", "fp32", r)]
         assert int8[2] == fp32[2] and fp32[3] / 4 < int8[3] < fp32[3] / 2, (int8, fp32)
-    tp = by[("8x2", "tp", "")]
+    tp = by[("8x2", "tp", "None")]
     assert tp[4] > 0 and tp[5] == 1, tp
     # FSDP over 16 (reshard True / False / 8) and HSDP 2x8 (True / False), each in fp32 and bf16,
     # each offloaded or not; reshard True on the device also with bucketing off (0).
@@ -481,3 +482,44 @@ def test_a_memory_trace_without_a_root_says_so():
         pass
     with pytest.raises(ValueError, match="counted no memory"):
         from_trace(t)
+
+
+def test_simulated_attention_is_fused_where_the_devices_fuse_it():
+    """`FusedAttentionOnMeta` on meta tensors: the same output shape as SDPA for every call, no
+    ``S x S`` tensor where a fused kernel would run (causal, float and bool masks, GQA), and SDPA
+    itself (its math path or its error) where none would."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fully_shard.plan import LiveBytes
+    from fully_shard.plan.attention import FusedAttentionOnMeta
+
+    B, H, S, E = 1, 4, 256, 8
+
+    def t(*shape, dtype=torch.float32):
+        return torch.empty(shape, device="meta", dtype=dtype, requires_grad=dtype.is_floating_point)
+
+    def run(*args, **kwargs):
+        counter = LiveBytes("meta")
+        with FusedAttentionOnMeta(), counter:
+            out = F.scaled_dot_product_attention(*args, **kwargs)
+            out.sum().backward()
+        return out.shape, counter.peak
+
+    square = S * S * 4  # one head's fp32 scores
+    q, k, v = t(B, H, S, E), t(B, H, S, E), t(B, H, S, E)
+    fused = [
+        ((q, k, v), {"is_causal": True}),
+        ((q, k, v), {"attn_mask": t(B, 1, S, S, dtype=torch.bool)}),  # kept as one float mask, not per head
+        ((q, t(B, 2, S, E), t(B, 2, S, E)), {"enable_gqa": True, "is_causal": True}),
+        ((q, k, v), {"scale": 0.5, "dropout_p": 0.1}),
+    ]
+    for args, kwargs in fused:
+        shape, peak = run(*args, **kwargs)
+        assert shape == (B, H, S, E) and peak < 2 * square, (kwargs, peak)
+    shape, peak = run(q, k, t(B, H, S, 12))  # value's head dim differs: no fused kernel takes it
+    assert shape == (B, H, S, 12) and peak > H * square
+    with sdpa_kernel([SDPBackend.MATH]):  # math only, as the user asked
+        assert run(q, k, v, is_causal=True)[1] > H * square
+    with pytest.raises(RuntimeError):  # SDPA's own error: causal and a mask together
+        run(q, k, v, attn_mask=t(B, 1, S, S), is_causal=True)

@@ -50,7 +50,7 @@ def measure_flops(
     """Build the model on ``device`` (default: this machine's accelerator, else the CPU) for real,
     optionally cast to ``dtype`` (e.g. bfloat16, to price mixed-precision compute), and time
     ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch), and AdamW's
-    step after each (on fp32 parameters, as the engine's shards are), after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
+    step after each (on fp32 parameters, as a mixed-precision run's shards are), after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
     not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
     from .simulate import _tokens, call
 
@@ -70,9 +70,10 @@ def measure_flops(
         torch.Tensor, lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype), sample_inputs
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    # The optimizer steps fp32 shards whatever the compute dtype (MixedPrecisionPolicy keeps them
-    # so): time it on fp32 copies of the parameters when the model computes in another dtype.
-    stepped = params if dtype is None else [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
+    # The optimizer steps the shards in the model's own dtype (fp32 here) whatever the compute
+    # dtype (MixedPrecisionPolicy keeps them so): time it on fp32 copies when computing in another.
+    fp32 = dtype in (None, torch.float32)
+    stepped = params if fp32 else [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
 
     def sync() -> None:
         if where.type != "cpu":

@@ -30,7 +30,8 @@ def _pyplot() -> Any:
 
 def draw(plan: Any, path: str, title: str = "") -> None:
     """Write a PNG: the live bytes of one rank at each point of the step (every collective and
-    phase boundary), stacked by category, and per collective the bytes it moves. ``plan``: a
+    phase boundary), stacked by category (with ``CPUOffloadPolicy``, the host's bytes as a dotted
+    line), and per collective the bytes it moves. ``plan``: a
     `Plan`, or a trace of a real run (``fully_shard.debug.trace(memory=True)``)."""
     if not isinstance(plan, Plan):
         plan = from_trace(plan)

@@ -37,7 +37,7 @@ class Option:
     (None: the default), whether shards are offloaded, and what the simulation says about it."""
 
     mesh_shape: tuple[int, ...]
-    reshard_after_forward: Union[bool, int, str]  # "" for a Candidate
+    reshard_after_forward: Union[bool, int, None]  # None for a Candidate (its shard_fn decides)
     param_dtype: str
     plan: Plan
     time: StepTime
@@ -105,9 +105,9 @@ def recommend(
         raise ValueError("recommend: bucket_sizes, offload and int8_all_gather each need at least one value "
                          "(e.g. (None,), (False,) and (False,)).")
     for c in candidates:
-        if math.prod(c.mesh_shape) != world_size or c.param_dtype not in ("fp32", "bf16"):
+        if not c.label or math.prod(c.mesh_shape) != world_size or c.param_dtype not in ("fp32", "bf16"):
             raise ValueError(f"recommend: candidate {c.label!r} has mesh {tuple(c.mesh_shape)} for world_size={world_size} "
-                             f"and param_dtype {c.param_dtype!r}. Fix: a mesh of world_size ranks, 'fp32' or 'bf16'.")
+                             f"and param_dtype {c.param_dtype!r}. Fix: a label, a mesh of world_size ranks, 'fp32' or 'bf16'.")
     node = cluster.gpus_per_node
     sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]
     layouts: list[tuple[int, ...]] = [(world_size,)]
@@ -140,7 +140,7 @@ def recommend(
     for c in candidates:
         plan = simulate(build_model, sample_inputs, mesh_shape=c.mesh_shape, mesh_dim_names=c.mesh_dim_names,
                         shard_fn=c.shard_fn, optimizer=optimizer, steps=steps)
-        options.append(Option(tuple(c.mesh_shape), "", c.param_dtype, plan, priced(plan, c.param_dtype),
+        options.append(Option(tuple(c.mesh_shape), None, c.param_dtype, plan, priced(plan, c.param_dtype),
                               plan.fits(bytes_per_rank), label=c.label))
     fitting = sorted((o for o in options if o.fits), key=lambda o: o.time.step_s)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.plan.peak_bytes)
