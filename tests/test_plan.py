@@ -7,6 +7,7 @@ bytes agree within 10%. A world of 1,024 runs in CI.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -232,9 +233,10 @@ def test_compute_rate_measured_on_this_machine():
     assert rate.optimizer_seconds > 0 and rate.optimizer_elements_per_s == n / rate.optimizer_seconds
     from fully_shard.plan import PRESETS
 
+    assert rate.memory_bytes_per_s > 0
     here = rate.on(PRESETS["h100-nvlink-ib400-fp32"])
-    assert (here.flops, here.optimizer_elements_per_s, here.intra) == (rate.flops, rate.optimizer_elements_per_s,
-                                                                       PRESETS["h100-nvlink-ib400-fp32"].intra)
+    assert (here.flops, here.optimizer_elements_per_s, here.memory_bytes_per_s, here.intra) == (
+        rate.flops, rate.optimizer_elements_per_s, rate.memory_bytes_per_s, PRESETS["h100-nvlink-ib400-fp32"].intra)
     plan = Plan((1,), 0, [], [], module_params={"": n}, tokens=rate.tokens)
     assert plan.estimate("h100-nvlink-ib400-fp32", flops=rate.flops).compute_s == pytest.approx(rate.seconds, rel=1e-12)
     with pytest.raises(ValueError, match="no tensor to count tokens"):
@@ -254,7 +256,9 @@ def test_collective_and_step_time_model():
     from fully_shard.plan import Cluster, Link, Plan
     from fully_shard.plan.timing import collective_seconds
 
-    cluster = Cluster(gpus_per_node=4, intra=Link(1e-6, 100e9), inter=Link(10e-6, 10e9), flops=1e12)
+    # Copies free at first (memory_bytes_per_s infinite); priced at the end.
+    cluster = Cluster(gpus_per_node=4, intra=Link(1e-6, 100e9), inter=Link(10e-6, 10e9), flops=1e12,
+                      memory_bytes_per_s=float("inf"))
     assert collective_seconds("all_gather", 4 * 10**9, 4, cluster) == 3 * 1e-6 + 0.75 * 4 * 10**9 / 100e9  # intra
     assert collective_seconds("reduce_scatter", 8 * 10**9, 8, cluster, (0, 7)) == 7 * 10e-6 + 7 / 8 * 8 * 10**9 / 10e9  # inter
     # Two ranks on two nodes (HSDP's replicas, ranks 0 and 4): the inter-node link, however few they are.
@@ -303,6 +307,18 @@ def test_collective_and_step_time_model():
     assert t.step_s == pytest.approx(forward + backward + host + device, rel=1e-12)
     assert (t.host_optimizer_s, t.optimizer_s) == (host, device)
     assert t.communication_s == pytest.approx(3 * g + 2 * r + 3 * copy)
+
+    # fully_shard's copies on the compute stream at 10^11 B/s: each all-gather's copy-out and each
+    # reduce-scatter's copy-in move twice the collective's bytes; a forward copy-out precedes its
+    # module's compute, backward's join backward's compute.
+    cluster = dataclasses.replace(cluster, memory_bytes_per_s=1e11)
+    plan.module_offload_bytes, plan.offloaded_elements, plan.device_elements = {}, 0, 0
+    t = plan.estimate(cluster)
+    cg, cr = 2 * ag / 1e11, 2 * rs / 1e11  # 8 ms, 16 ms
+    forward = g + max(0.2e-3 + cg, g) + max(2e-3 + cg, 0.0)
+    backward = max(2 * 2.2e-3 + cg + cr + cr, r) + g + r
+    assert t.step_s == pytest.approx(forward + backward, rel=1e-12) and t.copy_s == pytest.approx(3 * cg + 2 * cr)
+    assert t.exposed_s == pytest.approx(forward + backward - 3 * 2.2e-3 - t.copy_s)
 
 
 def test_recommend_ranks_the_settings_that_fit():

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         flops = rate.flops
         print(f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms "
               f"= {rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms "
-              f"= {rate.optimizer_elements_per_s:.3g} elements/s")
+              f"= {rate.optimizer_elements_per_s:.3g} elements/s; copies {rate.memory_bytes_per_s / 1e9:.1f} GB/s")
     priced = PRESETS[cluster] if args.flops != "measure" else rate.on(PRESETS[cluster])
     times = [plan.estimate(priced, flops=flops) for plan in plans]
     rate_text = f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"

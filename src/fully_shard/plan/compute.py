@@ -32,10 +32,12 @@ class ComputeRate:
     dtype: Optional[torch.dtype]
     optimizer_seconds: float = 0.0  # median AdamW step
     optimizer_elements_per_s: float = 0.0
+    memory_bytes_per_s: float = 0.0  # a large copy's bytes read and written per second
 
     def on(self, cluster: "Cluster") -> "Cluster":
-        """``cluster`` computing and stepping the optimizer at these rates."""
-        return dataclasses.replace(cluster, flops=self.flops, optimizer_elements_per_s=self.optimizer_elements_per_s)
+        """``cluster`` computing, stepping the optimizer and copying at these rates."""
+        return dataclasses.replace(cluster, flops=self.flops, optimizer_elements_per_s=self.optimizer_elements_per_s,
+                                   memory_bytes_per_s=self.memory_bytes_per_s)
 
 
 def _device() -> torch.device:
@@ -108,4 +110,19 @@ def measure_flops(
     step = statistics.median(r[1] for r in runs)
     n = sum(p.numel() for p in model.parameters())
     elements = sum(p.numel() for p in stepped)
-    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, elements / step)
+    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, elements / step,
+                       _copy_rate(where, sync, repeats))
+
+
+def _copy_rate(where: torch.device, sync: Callable[[], None], repeats: int, nbytes: int = 64 * 2**20) -> float:
+    """Bytes read and written per second by a large device-to-device copy (fully_shard's copies)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=where)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times[1:])

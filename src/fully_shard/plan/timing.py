@@ -26,6 +26,12 @@ exposed.
 Optimizer: this rank's sharded elements on the device at ``optimizer_elements_per_s`` (AdamW is
 memory-bound), after backward, exposed.
 
+Copies: fully_shard's own work on the compute stream, each all-gather's copy-out and each
+reduce-scatter's copy-in (twice the collective's bytes: read and written) at
+``memory_bytes_per_s``, before the module's forward compute and within backward's. (The
+all-gather's copy-in runs on its own stream on an accelerator and is not counted; on a CPU it
+shares the cores.)
+
 Overlap (what the schedule does): in forward, the next module's all-gather runs while this one
 computes, so each module costs the larger of its compute and the next all-gather, and the first
 all-gather is exposed. In backward, prefetched all-gathers and reductions run on their own streams
@@ -61,6 +67,7 @@ class Cluster:
     host: Link = Link(10e-6, 25e9)  # host <-> device copies, per device
     host_optimizer_elements_per_s: float = 2e8  # AdamW on the host, per device's share of the CPU
     optimizer_elements_per_s: float = 1e11  # AdamW on the device (memory-bound)
+    memory_bytes_per_s: float = 2.8e12  # device memory bandwidth achieved by copies
 
     def link(self, first_rank: int, last_rank: int) -> Link:
         """The link a group of global ranks ``first_rank .. last_rank`` crosses."""
@@ -74,11 +81,12 @@ class Cluster:
 # PyTorch's AdamW on the CPU at about 2e8 elements/s per GPU's share of the cores (it reads and
 # writes 28 bytes per fp32 element; a rough figure: set your own). AdamW on the device is
 # memory-bound too: 28 bytes per element at about 2.8 TB/s achieved of an H100's 3.35 (1e11
-# elements/s), 1.6 of an A100's 2.0 (6e10).
+# elements/s), 1.6 of an A100's 2.0 (6e10); the same bandwidths price fully_shard's copies.
 PRESETS = {
     "h100-nvlink-ib400-bf16": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 400e12),
     "h100-nvlink-ib400-fp32": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 50e12),
-    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12, optimizer_elements_per_s=6e10),
+    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12, optimizer_elements_per_s=6e10,
+                                      memory_bytes_per_s=1.6e12),
 }
 
 
@@ -99,12 +107,13 @@ class StepTime:
     exposed_s: float  # communication not hidden behind compute
     host_optimizer_s: float = 0.0  # the optimizer step of offloaded parameters, on the host, after backward
     optimizer_s: float = 0.0  # the optimizer step on the device, after backward
+    copy_s: float = 0.0  # fully_shard's copies in and out of the collectives' buffers, on the compute stream
 
     def __str__(self) -> str:
         host = f", host optimizer {self.host_optimizer_s * 1e3:.1f} ms" if self.host_optimizer_s else ""
-        return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, communication "
-                f"{self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms, optimizer "
-                f"{self.optimizer_s * 1e3:.1f} ms{host})")
+        return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms, "
+                f"communication {self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms, "
+                f"optimizer {self.optimizer_s * 1e3:.1f} ms{host})")
 
 
 def _unit(module: str, units: dict[str, int]) -> str:
@@ -147,6 +156,9 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     fsdp = [r for r in plan.collectives if not r.phase.startswith("dtensor_")]
     forward = [r for r in fsdp if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
     backward = [r for r in fsdp if r.phase not in ("forward", "forward_prefetch")]
+    # fully_shard's own copies on the compute stream: each all-gather's copy-out (its output read
+    # and written once) and each reduce-scatter's copy-in (its input likewise).
+    copies = {id(r): 2 * r.nbytes / cluster.memory_bytes_per_s for r in fsdp if r.op in ("all_gather", "reduce_scatter")}
     # Forward: module i computes while the next all-gather runs. A module whose parameters are on
     # several meshes has an all-gather per mesh: its compute counts once.
     f_time = cost[id(forward[0])] if forward else 0.0
@@ -155,11 +167,11 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
         nxt = cost[id(forward[i + 1])] if i + 1 < len(forward) else 0.0
         new = [m for m in members(r.module) if m not in counted]
         counted.update(new)
-        f_time += max(sum(work.get(m, 0.0) for m in new), nxt)
+        f_time += max(sum(work.get(m, 0.0) for m in new) + copies[id(r)], nxt)
     f_time += sum(work[m] for m in work if m not in counted)  # modules without a collective of their own
     # Backward, in the order the collectives were issued: each module's compute overlaps the
     # communication issued while it runs (the next prefetch, the previous module's reductions).
-    b_compute = 2 * sum(fwd.values()) + tp_bwd
+    b_compute = 2 * sum(fwd.values()) + tp_bwd + sum(copies.get(id(r), 0.0) for r in backward)
     comm = sum(cost[id(r)] for r in backward)
     first = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0  # before any compute
     last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it
@@ -167,4 +179,6 @@ def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float]
     total_comm = sum(cost.values())
     step = f_time + b_time + optimizer + host_optimizer
     compute_total = 3 * sum(fwd.values())
-    return StepTime(step, compute_total, total_comm, max(0.0, f_time + b_time - compute_total), host_optimizer, optimizer)
+    copy_total = sum(copies.values())
+    exposed = max(0.0, f_time + b_time - compute_total - copy_total)
+    return StepTime(step, compute_total, total_comm, exposed, host_optimizer, optimizer, copy_total)
