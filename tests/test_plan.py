@@ -215,6 +215,17 @@ def test_command_line_prints_one_row_per_mesh():
     bad = subprocess.run([sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16",
                           "--mesh", "2x2x2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "name them (--mesh-dim-names) and pass --shard-fn" in bad.stderr
+    # --recommend: the usual settings at world 4 (FSDP: reshard True x {default bucket, 256 MiB, offload},
+    # False x {device, offload}; fp32 and bf16), and the user's shard_fn as one more, ranked.
+    out = subprocess.run(
+        [sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16", "--mesh", "2x2",
+         "--mesh-dim-names", "dp,tp", "--shard-fn", models + ":tp_shard", "--recommend", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    head, *options = out.stdout.strip().splitlines()
+    assert head.startswith("world 4: 11 settings simulated on h100-nvlink-ib400-bf16, 11 fit in 1 GiB per rank"), head
+    assert len(options) == 11 and sum("--shard-fn" in o and "tp_shard on 2x2" in o for o in options) == 1, out.stdout
 
 
 def test_compute_rate_measured_on_this_machine():

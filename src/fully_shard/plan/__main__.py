@@ -19,6 +19,7 @@ with `examples/plan_models.py`'s ``tp_shard``); DTensor's collectives are then l
 Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
          --cluster PRESET --flops {N,measure}
+         --recommend GIB (rank the usual settings at each mesh's world size: plan.recommend)
          --png PREFIX (a picture per mesh; needs matplotlib: pip install 'fully-shard[plot]')
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cluster", default=None, choices=sorted(PRESETS),
                    help="preset for the time estimate (default: h100-nvlink-ib400 in the parameter dtype)")
     p.add_argument("--flops", default=None, help="compute rate for the estimate: FLOP/s, or 'measure' (on this machine)")
+    p.add_argument("--recommend", type=float, default=None, metavar="GIB",
+                   help="rank the usual settings (plan.recommend) at each --mesh's world size by what fits in GIB per rank "
+                        "and estimated step time; with --shard-fn, yours is ranked too")
     p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
     args = p.parse_args(argv)
     if args.shard_fn and args.param_dtype != "fp32":
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     except ValueError:
         raise SystemExit(f"--input-shape takes sizes joined by x (e.g. 1x2048), got {args.input_shape!r}") from None
+    if args.recommend is not None and (args.recommend <= 0 or args.flops is not None or args.png or args.param_dtype != "fp32"):
+        raise SystemExit("--recommend GIB takes a positive budget, prices each setting on --cluster (it tries both "
+                         "parameter dtypes), and draws nothing: leave out --flops, --png and --param-dtype")
     flops: float | None = None
     if args.flops is not None and args.flops != "measure":
         try:
@@ -141,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     build = load_builder(args.builder)
     shard_fn = load_builder(args.shard_fn) if args.shard_fn else None
     inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
+    if args.recommend is not None:
+        recommend_table(args, build, inputs, meshes, names, shard_fn)
+        return
     mp = None
     if args.param_dtype == "bf16":
         from ..policy import MixedPrecisionPolicy
@@ -175,6 +186,25 @@ def main(argv: list[str] | None = None) -> None:
             path = f"{args.png}-{'x'.join(map(str, plan.mesh_shape))}.png"
             draw(plan, path)
             print(f"wrote {path}")
+
+
+def recommend_table(args: argparse.Namespace, build: Callable[[], Any], inputs: torch.Tensor, meshes: list[tuple[int, ...]],
+                    names: tuple[str, ...] | None, shard_fn: Callable[..., Any] | None) -> None:
+    """``--recommend GIB``: `recommend`'s ranking at each mesh's world size (your shard_fn on that mesh
+    as a `Candidate`), the settings that fit first, fastest first."""
+    from .recommend import Candidate, recommend
+
+    cluster = args.cluster or "h100-nvlink-ib400-bf16"
+    for mesh in meshes:
+        world = math.prod(mesh)
+        mine = [Candidate(f"--shard-fn {args.shard_fn} on {'x'.join(map(str, mesh))}", mesh, shard_fn, names)] if shard_fn else []
+        options = recommend(build, inputs, world_size=world, bytes_per_rank=int(args.recommend * GiB), cluster=cluster,
+                            candidates=mine, steps=args.steps, optimizer=None if args.optimizer == "none" else args.optimizer)
+        fit = sum(o.fits for o in options)
+        print(f"world {world}: {len(options)} settings simulated on {cluster}, {fit} fit in {args.recommend:g} GiB per rank "
+              "(fitting ones first, fastest first):")
+        for o in options:
+            print(f"  {o}")
 
 
 if __name__ == "__main__":
