@@ -21,9 +21,11 @@ from .spmd import as_dp_mesh_dims, dp_mesh, localize_params, restore
 from .policy import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy
 from .registry import class_name, register_original
 from .traps import install_optimizer_check, register_ignored
-from .finite import NonFinite
-from .debug import attach_active_traces
-from .state import FSDPState, SharedComm, fsdp_states
+from . import finite
+from .collective import Reason
+from .finite import FiniteCheck, NonFinite
+from .schedule import ScheduleCheck
+from .state import FSDPState, RootContext, SharedComm, fsdp_states
 
 
 class UnshardHandle:
@@ -90,9 +92,9 @@ class FSDPModule:
         A forward that follows uses these parameters (no second all-gather).
         """
         state = self._get_fsdp_state()
-        attach_active_traces(state.root_context())
+        state.root_context().attach_active_observers()
         for group in state.groups:  # with the groups of tied parameters it uses
-            group.unshard("explicit")
+            group.unshard(Reason.EXPLICIT)
         handle = UnshardHandle(list(state.groups))
         if async_op:
             return handle
@@ -204,20 +206,20 @@ class FSDPModule:
         state = self._require_root("set_grad_finite_check")
         state.settings.grad_finite_check = "off" if mode is None else mode
         if state.ctx is not None:
-            state.ctx.configure_finite_check()
+            finite.configure(state.ctx)
 
     def nonfinite_grads(self) -> list[NonFinite]:
         """With the finite check on (``set_grad_finite_check``): the parameters whose gradients had
         a NaN/Inf in the last step's backward, each with the ranks where it did; empty when all
         were finite. The same list on every rank. Call on the root, after ``backward()``."""
         state = self._require_root("nonfinite_grads")
-        finite = state.ctx.finite if state.ctx is not None else None
-        if finite is None:
+        check = state.ctx.gradient_check if state.ctx is not None else None
+        if not isinstance(check, FiniteCheck):
             raise RuntimeError(
                 "nonfinite_grads(): the finite check is off, so nothing was checked. Fix: call "
                 "model.set_grad_finite_check('report') on the root before training (or set FULLY_SHARD_CHECK_FINITE=report)."
             )
-        return list(finite.report)
+        return list(check.report)
 
     def _require_root(self, method: str) -> FSDPState:
         state = self._get_fsdp_state()
@@ -585,8 +587,16 @@ def _apply(
             borrowed.append(owner.group)
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
+    state.setup_root = _setup_root
     for m in modules:
         _install(m, state, make_class)
+
+
+def _setup_root(ctx: RootContext) -> None:
+    """What a root gets at lazy init beyond the runtime: the finite and schedule checks."""
+    finite.configure(ctx)
+    if not any(isinstance(o, ScheduleCheck) for o in ctx.comm.observers):  # roots may share a CommContext
+        ctx.comm.observers.append(ScheduleCheck())
 
 
 def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_forward: Any) -> list[Any]:

@@ -37,6 +37,7 @@ import torch
 
 from .lifecycle import ShardedState
 from .param import FSDPParam
+from .collective import Reason
 from .param_group import FSDPParamGroup, ReduceScatterResult, label
 
 # 1 MiB: below that a collective costs mostly its fixed latency on any backend (NCCL: tens of
@@ -65,13 +66,13 @@ class Bucket:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def gather_with(self, requester: FSDPParamGroup, phase: str) -> list[FSDPParamGroup]:
+    def gather_with(self, requester: FSDPParamGroup, reason: Reason) -> list[FSDPParamGroup]:
         """The groups to all-gather with ``requester`` (itself included, in member order): the
-        sharded members on the default schedule that run next in ``phase``'s direction."""
+        sharded members on the default schedule that run next in ``reason``'s direction."""
         if not self.follows_schedule(requester):
             return [requester]
         i = self._position[id(requester)]
-        ahead = self.members[i + 1 :] if phase.startswith("forward") else self.members[:i]
+        ahead = self.members[i + 1 :] if reason.forward else self.members[:i]
         chosen = []
         for g in ahead:
             if not self.follows_schedule(g):
@@ -97,7 +98,7 @@ class Bucket:
     # -- reduce-scatter --------------------------------------------------------------------------
 
     def add_grads(
-        self, group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor], phase: str
+        self, group: FSDPParamGroup, params: list[FSDPParam], grads: list[torch.Tensor], reason: Reason
     ) -> list[ReduceScatterResult]:
         """Keep ``group``'s gradients for the bucket's reduce-scatter; return the reductions this
         issues (the waiting ones first if they cannot share a collective with these)."""
@@ -105,14 +106,14 @@ class Bucket:
         if self._stash and (
             self._stash[0][0].reduction_key() != group.reduction_key() or any(g is group for g, _, _ in self._stash)
         ):
-            results += self.flush(phase)
+            results += self.flush(reason)
         self._stash.append((group, params, grads))
         last = next((g for g in self.members if g.trainable), None)  # the last member in backward
         if group is last:
-            results += self.flush(phase)
+            results += self.flush(reason)
         return results
 
-    def flush(self, phase: str) -> list[ReduceScatterResult]:
+    def flush(self, reason: Reason) -> list[ReduceScatterResult]:
         """Issue the reduce-scatter of every gradient waiting in the bucket (none if none)."""
         if not self._stash:
             return []
@@ -120,7 +121,7 @@ class Bucket:
         params = [p for _, ps, _ in self._stash for p in ps]
         grads = [t for _, _, gs in self._stash for t in gs]
         self._stash.clear()
-        return [groups[0].reduce_scatter(params, grads, phase, label(groups))]
+        return [groups[0].reduce_scatter(params, grads, reason, label(groups))]
 
     def discard(self) -> None:
         """Drop the waiting gradients (a failed iteration: `RootContext.reset`)."""

@@ -26,27 +26,13 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import schedule
-
-if TYPE_CHECKING:
-    from .collectives import Reduction
-
-
-class CollectiveObserver(Protocol):
-    """Who watches the collectives issued under a root (`fully_shard.debug.Trace`). The comm
-    layer calls it and never imports the tracer."""
-
-    def begin_step(self) -> None: ...
-
-    def add(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        reduction: Optional["Reduction"] = None, rank_span: tuple[int, int] = (0, 0),
-    ) -> None: ...
+from . import watchdog
+from .collective import Collective, CollectiveObserver
 
 
 @dataclass
@@ -72,7 +58,7 @@ class Pending:
         if self.work is not None:
             with self._wait_lock:
                 if self.work is not None:
-                    schedule.wait(self.work, self.what)
+                    watchdog.wait(self.work, self.what)
                     self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
@@ -139,9 +125,8 @@ class CommContext:
             # High priority: collectives gate compute, so let them jump the queue.
             self.all_gather_stream = torch.Stream(device=device, priority=-1)
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
-        # Who watches the collectives issued under this root (fully_shard.debug.trace).
-        self.tracers: list[CollectiveObserver] = []
-        self._spans: dict[str, tuple[int, int]] = {}  # group name -> (lowest, highest) global rank, for traces
+        # Who watches the collectives issued under this root: traces, the schedule check.
+        self.observers: list[CollectiveObserver] = []
         self.releaser = Releaser()
         weakref.finalize(self, self.releaser.close)
 
@@ -188,13 +173,12 @@ class CommContext:
         stream = stream if stream is not None else torch.accelerator.current_stream(self.device)
         return stream.record_event()
 
-    def record_collective(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group: dist.ProcessGroup,
-        reduction: Optional["Reduction"] = None,
-    ) -> None:
-        span = self._spans.get(group.group_name)
-        if span is None:  # once per group: which global ranks it spans
-            ranks = dist.get_process_group_ranks(group)
-            span = self._spans[group.group_name] = (min(ranks), max(ranks))
-        for t in self.tracers:
-            t.add(phase, module or "<root>", op, dtype, nbytes, group.size(), group.group_name, reduction, span)
+    def issue(self, c: Collective, run: Callable[[], Optional[dist.Work]]) -> Optional[dist.Work]:
+        """The one way a collective is issued: every observer sees ``c`` before ``run`` issues it
+        (one may raise; then nothing is issued) and after."""
+        for o in self.observers:
+            o.before(c)
+        work = run()
+        for o in self.observers:
+            o.after(c)
+        return work

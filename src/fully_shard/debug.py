@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from .schedule import ScheduleDivergence, set_schedule_check, set_watchdog  # noqa: F401  (public: fully_shard.debug.*)
-
-if TYPE_CHECKING:
-    from .collectives import Reduction
+from .collective import ACTIVE_OBSERVERS, Collective
+from .schedule import ScheduleDivergence, set_schedule_check  # noqa: F401  (public: fully_shard.debug.*)
+from .watchdog import set_watchdog  # noqa: F401  (public: fully_shard.debug.set_watchdog)
 
 
 @dataclass(frozen=True)
@@ -64,21 +63,45 @@ class Trace:
     # trace(memory=True): live tensor bytes (`fully_shard.plan.memory.TraceMemory`), a snapshot at each collective.
     memory: Any = None
     _started: bool = False
-    _attached: list[list["Trace"]] = field(default_factory=list)  # the observer lists of the roots it watches
+    _attached: list[Any] = field(default_factory=list)  # the roots (`RootContext`) it watches
+    _spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (lowest, highest) global rank
 
     def begin_step(self) -> None:
         if self._started:
             self.step += 1
         self._started = True
 
-    def add(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        reduction: Optional["Reduction"] = None, rank_span: tuple[int, int] = (0, 0),
-    ) -> None:
-        extra = ("", 1.0, 1.0) if reduction is None else (reduction.name, reduction.before, reduction.after)
-        self.records.append(
-            CollectiveRecord(self.step, phase, module, op, dtype, nbytes, group_size, group_name, *extra, rank_span=rank_span)
+    def before(self, c: Collective) -> None:
+        pass
+
+    def after(self, c: Collective) -> None:
+        """A collective of a root this trace watches was issued."""
+        span = self._spans.get(c.group.group_name)
+        if span is None:  # once per group: which global ranks it spans
+            ranks = dist.get_process_group_ranks(c.group)
+            span = self._spans[c.group.group_name] = (min(ranks), max(ranks))
+        r = c.reduction
+        extra = ("", 1.0, 1.0) if r is None else (r.name, r.before, r.after)
+        self.add_record(
+            c.reason.value, c.modules or "<root>", c.op.value, c.dtype, c.nbytes, c.group.size(), c.group.group_name,
+            *extra, rank_span=span,
         )
+
+    def attach(self, root: Any) -> None:
+        """A root (`RootContext`) started work inside this trace: a memory trace learns its model."""
+        if root not in self._attached:
+            self._attached.append(root)
+        if self.memory is not None:
+            self.memory.attach(root.states)
+
+    def add_record(
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
+        reduce_op: str = "", pre_divide: float = 1.0, post_divide: float = 1.0, rank_span: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.records.append(CollectiveRecord(
+            self.step, phase, module, op, dtype, nbytes, group_size, group_name, reduce_op, pre_divide, post_divide,
+            rank_span,
+        ))
         if self.memory is not None:
             self.memory.snapshot(f"{phase} {op} {module}")
 
@@ -113,9 +136,6 @@ class Trace:
         return self.summary()
 
 
-_ACTIVE: ContextVar[tuple[Trace, ...]] = ContextVar("fully_shard_active_traces", default=())
-
-
 @contextlib.contextmanager
 def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Iterator[Trace]:
     """Record the collectives of every root whose forward or unshard starts inside this block.
@@ -127,7 +147,7 @@ def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torc
     collective; ``optimizers`` name whose state is optimizer state); ``fully_shard.plan.draw(t,
     path)`` draws it. Both watch every op, so they slow the step."""
     t = Trace()
-    token = _ACTIVE.set(_ACTIVE.get() + (t,))
+    token = ACTIVE_OBSERVERS.set(ACTIVE_OBSERVERS.get() + (t,))
     try:
         with contextlib.ExitStack() as modes:
             if dtensor:
@@ -141,20 +161,7 @@ def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torc
                 modes.enter_context(t.memory.counter)
             yield t
     finally:
-        _ACTIVE.reset(token)
-        for observers in t._attached:
-            observers.remove(t)
+        ACTIVE_OBSERVERS.reset(token)
+        for root in t._attached:
+            root.detach(t)
         t._attached.clear()
-
-
-def attach_active_traces(ctx: Any) -> None:
-    """Called in the user's thread when a root starts work (``ctx``: its `RootContext`): add the
-    traces open there to the root's observer list (``CommContext.tracers``), which its
-    collectives report to; a memory trace learns the root's model."""
-    observers = ctx.comm.tracers
-    for t in _ACTIVE.get():
-        if t not in observers:
-            observers.append(t)
-            t._attached.append(observers)
-        if t.memory is not None:
-            t.memory.attach(ctx.states)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .param import FSDPParam
+from .state import RootContext, StepVerdict
 
 MODES = ("raise", "report")
 ENV = "FULLY_SHARD_CHECK_FINITE"
@@ -42,7 +43,7 @@ class NonFinite:
     ranks: tuple[int, ...]
 
 
-class NonFiniteGradients(RuntimeError):
+class NonFiniteGradients(StepVerdict):
     """Raised from ``backward()`` on every rank by the finite check in ``raise`` mode."""
 
     def __init__(self, report: Sequence[NonFinite]) -> None:
@@ -68,11 +69,17 @@ class FiniteCheck:
         self.report: list[NonFinite] = []
 
     def observe(self, p: FSDPParam, grad: torch.Tensor) -> None:
+        """A gradient of ``p`` made on this rank, before its reduction: flag it if not finite."""
         i = self._index.get(id(p))
         if i is not None and grad.numel():
             self.flags[i] |= (~torch.isfinite(grad).all()).to(torch.uint8)
 
-    def conclude(self) -> list[NonFinite]:
+    def conclude(self) -> None:
+        """End of the last backward before the step: gather the report; ``raise`` mode raises it."""
+        if self.gather() and self.mode == "raise":
+            raise NonFiniteGradients(self.report)
+
+    def gather(self) -> list[NonFinite]:
         """Every rank's flags (one all-gather over all ranks), then reset: the report of this step."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
@@ -88,3 +95,16 @@ class FiniteCheck:
             if bool(table[:, i].any())
         ]
         return self.report
+
+
+def configure(ctx: RootContext) -> None:
+    """Turn the finite check on or off for every group under the root ``ctx`` (at its lazy init,
+    and when ``set_grad_finite_check`` changes it)."""
+    setting = ctx.root.settings.grad_finite_check
+    mode = mode_from_env() if setting == "env" else None if setting == "off" else setting
+    params = [p for s in ctx.states for g in s.own for p in g.params]
+    check = FiniteCheck(mode, params, ctx.root.info.device) if mode is not None else None
+    ctx.gradient_check = check
+    for s in ctx.states:
+        for g in s.own:
+            g.grad_observer = check.observe if check is not None else None

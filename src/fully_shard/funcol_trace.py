@@ -96,5 +96,5 @@ class FunctionalCollectiveTrace(TorchDispatchMode):
             name = kwargs["group_name"] if kwargs and "group_name" in kwargs else args[-1]
             size, span = self._group(name)
             phase = "dtensor_backward" if torch._C._current_graph_task_id() != -1 else "dtensor_forward"
-            self.trace.add(phase, self._module(), op, _first(args[0]).dtype, nbytes(args, out), size, name, rank_span=span)
+            self.trace.add_record(phase, self._module(), op, _first(args[0]).dtype, nbytes(args, out), size, name, rank_span=span)
         return out

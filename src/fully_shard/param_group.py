@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from . import collectives, schedule
+from . import collectives
+from .collective import Collective, Op, Reason
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
 from .mesh import MeshInfo, PostForwardGroup
@@ -24,11 +25,6 @@ from .param import FSDPParam
 
 if TYPE_CHECKING:
     from .bucket import Bucket
-
-# Phases driven by the module hooks: only these gather a whole bucket. An explicit unshard(), the
-# unsharded() context and state-dict access gather the one group asked for.
-BUCKETED_PHASES = frozenset({"forward", "forward_prefetch", "backward", "backward_prefetch"})
-
 
 def label(groups: Sequence["FSDPParamGroup"]) -> str:
     """How traces name the groups that share one collective: their paths joined by ``+``."""
@@ -85,7 +81,7 @@ class ReduceScatterPart:
     output: torch.Tensor
     params: list[FSDPParam]
     plan: collectives.Reduction  # how it divides (what is left to divide by after it)
-    phase: str = "backward"
+    reason: Reason = Reason.BACKWARD
     name: str = ""  # the group(s) it reduces, as traces name them
     # HSDP: the deferred partial sums of ``params``, taken when it was issued, added to its output.
     partials: list[Optional[torch.Tensor]] = field(default_factory=list)
@@ -224,10 +220,10 @@ class FSDPParamGroup:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def unshard(self, phase: str = "explicit", after: Optional[torch.Event] = None) -> None:
+    def unshard(self, reason: Reason = Reason.EXPLICIT, after: Optional[torch.Event] = None) -> None:
         """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable.
 
-        ``phase`` labels the collective in traces; ``after`` is a post-optimizer event the
+        ``reason`` says why (traces show it); ``after`` is a post-optimizer event the
         all-gather stream waits for instead of the whole compute stream. A copy gathered before a
         shard changed (an optimizer step after a forward whose backward never ran) is dropped and
         gathered again: every caller gets current parameters. In a hook-driven phase, a group in a
@@ -249,8 +245,8 @@ class FSDPParamGroup:
             inputs, dtype = [self._post_forward_shard], torch.uint8
             world, rank, group = self.post_forward.size, self.post_forward.rank, self.post_forward.group
         else:
-            if self.bucket is not None and phase in BUCKETED_PHASES:
-                members = self.bucket.gather_with(self, phase)
+            if self.bucket is not None and reason.hook_driven:
+                members = self.bucket.gather_with(self, reason)
             extended = False
             for g in members:
                 g._gathered_versions = g._shard_versions()
@@ -267,15 +263,12 @@ class FSDPParamGroup:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
             custom = self.custom_all_gather if world == self.info.world_size else None  # not for int-reshard regathers
             ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device, custom)
+            c = Collective(Op.ALL_GATHER, reason, label(members), dtype, output.numel(), group)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
-            if world > 1:
-                schedule.before_collective("all_gather", label(members), dtype, output.numel(), group, phase)
-            work = collectives.all_gather(output, ag_input, group, comm.async_op, custom) if world > 1 else None
+            work = comm.issue(c, lambda: collectives.all_gather(
+                output, ag_input, group, comm.async_op, custom)) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
-        if world > 1:
-            comm.record_collective(phase, label(members), "all_gather", dtype, output.numel(), group)
-        what = f"the all_gather of '{label(members)}' ({phase})"
-        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=what), world, members,
+        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=c.what()), world, members,
                            extended=dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params))
         for g in members:
             g._all_gather = gather
@@ -385,7 +378,7 @@ class FSDPParamGroup:
     # -- reduce-scatter --------------------------------------------------------------------------
 
     def post_backward(
-        self, phase: str = "backward", *, sync: bool = True, reshard: bool = True, bucketed: bool = False
+        self, reason: Reason = Reason.BACKWARD, *, sync: bool = True, reshard: bool = True, bucketed: bool = False
     ) -> list[ReduceScatterResult]:
         """Reshard (if ``reshard``), then issue one reduce-scatter of every unsharded gradient
         backward made so far (if ``sync``; otherwise they stay on the unsharded parameters and
@@ -414,9 +407,9 @@ class FSDPParamGroup:
             if all(g is None for g in grads):  # nothing on this rank: no reduction (as every rank, usually)
                 results = []
             elif bucketed and self.bucket is not None:
-                results = self.bucket.add_grads(self, params, grads, phase)
+                results = self.bucket.add_grads(self, params, grads, reason)
             else:
-                results = [self.reduce_scatter(params, grads, phase, self.fqn)]
+                results = [self.reduce_scatter(params, grads, reason, self.fqn)]
         return results
 
     def reduction_key(self) -> tuple[object, ...]:
@@ -439,7 +432,7 @@ class FSDPParamGroup:
             p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
 
     def reduce_scatter(
-        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], phase: str, name: str
+        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], reason: Reason, name: str
     ) -> ReduceScatterResult:
         """Reduce ``grads`` (of ``params``: this group's, or a bucket's with this group's reduction
         key) with one reduce-scatter per reduce dtype; ``name`` labels it in traces."""
@@ -449,10 +442,11 @@ class FSDPParamGroup:
             bucket[0].append(p)
             bucket[1].append(g)
         grads.clear()
-        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, phase, name) for dtype, (ps, gs) in by_dtype.items()])
+        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, reason, name) for dtype, (ps, gs) in by_dtype.items()])
 
     def _reduce_scatter_one(
-        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, phase: str, name: str
+        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, reason: Reason,
+        name: str,
     ) -> ReduceScatterPart:
         """One reduce-scatter of ``grads`` (None: this rank has none; zeros are sent) followed by one
         count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
@@ -489,18 +483,17 @@ class FSDPParamGroup:
             if before != 1:
                 rs_input.div_(before)
             with comm.on(comm.reduce_scatter_stream):
+                nbytes = rs_input.numel() * rs_input.element_size()
+                c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, self.info.group, plan)
                 if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
                     output, work = rs_input, None
                 else:
                     output = collectives.empty_buffer(slot, dtype, self.info.device, self.custom_reduce_scatter)
-                    nbytes = rs_input.numel() * rs_input.element_size()
-                    schedule.before_collective("reduce_scatter", name, dtype, nbytes, self.info.group, phase)
-                    work = collectives.reduce_scatter(
+                    work = comm.issue(c, lambda: collectives.reduce_scatter(
                         output, rs_input, self.info.group, comm.async_op, plan.op, self.custom_reduce_scatter
-                    )
-                    comm.record_collective(phase, name, "reduce_scatter", dtype, nbytes, self.info.group, plan)
-                what = f"the reduce_scatter of '{name}' ({phase})"
-                part = ReduceScatterPart(Pending(work=work, keep_alive=(rs_input,), what=what), output, params, plan, phase, name)
+                    ))
+                pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
+                part = ReduceScatterPart(pending, output, params, plan, reason, name)
                 part.missing = missing
                 if self.info.is_hsdp and self.requires_all_reduce:
                     part.partials = [p.take_partial_reduce() for p in params]
@@ -525,11 +518,9 @@ class FSDPParamGroup:
                 if partial is not None:
                     reduced.add_(partial)
             nbytes = part.output.numel() * part.output.element_size()
-            schedule.before_collective("all_reduce", part.name, part.output.dtype, nbytes, self.info.replicate_group, part.phase)
-            self._comm().record_collective(
-                part.phase, part.name, "all_reduce", part.output.dtype, nbytes, self.info.replicate_group, part.plan
-            )
-            collectives.all_reduce(part.output, self.info.replicate_group, part.plan.all_reduce_op)
+            group = self.info.replicate_group
+            c = Collective(Op.ALL_REDUCE, part.reason, part.name, part.output.dtype, nbytes, group, part.plan)
+            self._comm().issue(c, lambda: collectives.all_reduce(part.output, group, part.plan.all_reduce_op))
         if self.all_reduce_hook is not None:
             self._run_all_reduce_hook(part.output)
         self._accumulate(part)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -32,17 +32,29 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from dataclasses import dataclass
 
+from . import watchdog
 from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
-from . import schedule
+from .collective import ACTIVE_OBSERVERS, CollectiveObserver, Reason
 from .comm import CommContext
-from .finite import FiniteCheck, NonFiniteGradients, mode_from_env
 from .copying import copy_fields, refuse_busy
-from .debug import attach_active_traces
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
 from .registry import class_name
 from .lifecycle import ITERATION, MODULE, Event, IterationPhase, ModuleEvent, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
+
+
+class StepVerdict(RuntimeError):
+    """A check's verdict on a step (e.g. `NonFiniteGradients`), raised once the step's work is done."""
+
+
+class GradientCheck(Protocol):
+    """Sees each gradient before its reduction; concludes at the end of the last backward before the
+    optimizer step (where it may raise a `StepVerdict`)."""
+
+    def observe(self, p: Any, grad: torch.Tensor) -> None: ...
+
+    def conclude(self) -> None: ...
 
 
 class RootContext:
@@ -57,7 +69,9 @@ class RootContext:
         self.pending_reduce: Optional[ReduceScatterResult] = None
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
-        self.finite: Optional[FiniteCheck] = None
+        # A check of the gradients (the finite check, finite.py) that concludes at the end of the
+        # last backward before the step; set by the check itself.
+        self.gradient_check: Optional[GradientCheck] = None
 
     def describe(self) -> list[str]:
         """What this root is doing, for the watchdog (schedule.py)."""
@@ -73,16 +87,6 @@ class RootContext:
             if b.holds_grads:
                 lines.append(f"  bucket {b.name}: gradients waiting for its reduce-scatter")
         return lines
-
-    def configure_finite_check(self) -> None:
-        """Turn the finite check (finite.py) on or off for every group under this root."""
-        setting = self.root.settings.grad_finite_check
-        mode = mode_from_env() if setting == "env" else None if setting == "off" else setting
-        params = [p for s in self.states for g in s.own for p in g.params]
-        self.finite = FiniteCheck(mode, params, self.root.info.device) if mode is not None else None
-        for s in self.states:
-            for g in s.own:
-                g.grad_observer = self.finite.observe if self.finite is not None else None
 
     def plan_buckets(self) -> None:
         """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
@@ -116,7 +120,7 @@ class RootContext:
         try:
             if step.action:
                 getattr(self, step.action)()
-        except NonFiniteGradients:  # a verdict, raised once the step's work is done
+        except StepVerdict:  # raised once the step's work is done
             if step.then is not None:
                 self.phase = step.then
             raise
@@ -125,9 +129,23 @@ class RootContext:
 
     def start_iteration(self) -> None:
         """A root forward starts: hook up the traces opened around it."""
-        attach_active_traces(self)
-        for t in self.comm.tracers:
-            t.begin_step()
+        self.attach_active_observers()
+        for o in self.comm.observers:
+            o.begin_step()
+
+    def attach_active_observers(self) -> None:
+        """Called in the user's thread when this root starts work: the observers opened there
+        (``fully_shard.debug.trace()``) watch its collectives from now on, including those issued
+        from autograd's threads."""
+        for o in ACTIVE_OBSERVERS.get():
+            if o not in self.comm.observers:
+                self.comm.observers.append(o)
+            o.attach(self)
+
+    def detach(self, observer: CollectiveObserver) -> None:
+        """``observer`` stops watching this root (a trace's ``with`` block ended)."""
+        if observer in self.comm.observers:
+            self.comm.observers.remove(observer)
 
     def recover_and_start(self) -> None:
         warnings.warn(
@@ -177,7 +195,7 @@ class RootContext:
             for state in self.states:
                 state.finish_backward()
             for bucket in self.buckets:  # gradients of members whose bucket-mates did not run
-                self.start_reduce(bucket.flush("end_of_backward"))
+                self.start_reduce(bucket.flush(Reason.END_OF_BACKWARD))
             # Not the last backward before the step (micro-batching): leave the last
             # reduce-scatter in flight and keep the prefetch order for the backwards to come.
             if self.root.settings.is_last_backward:
@@ -186,8 +204,8 @@ class RootContext:
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     for g in state.own:
                         g.wait_for_offloaded_grads()
-                if self.finite is not None and self.finite.conclude() and self.finite.mode == "raise":
-                    raise NonFiniteGradients(self.finite.report)
+                if self.gradient_check is not None:
+                    self.gradient_check.conclude()
 
     def reset_iteration(self) -> None:
         """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
@@ -325,6 +343,8 @@ class FSDPState:
         self._signals_pending = 0
         # List form: members that finished forward since the group last unsharded.
         self._members_done: set[int] = set()
+        # What the layers above the runtime attach to a root at lazy init (api.py: the checks).
+        self.setup_root: Optional[Callable[[RootContext], None]] = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
         if self.ctx is not None and (self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD):
@@ -370,8 +390,9 @@ class FSDPState:
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
         ctx.plan_buckets()
-        ctx.configure_finite_check()
-        schedule.register_root(ctx)
+        watchdog.register_root(ctx)
+        if self.setup_root is not None:
+            self.setup_root(ctx)
 
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx
@@ -456,10 +477,10 @@ class FSDPState:
         with record_function(f"FSDP::pre_forward {self.fqn}"):
             for g in self.groups:
                 g.forward_users.add(id(self))
-            self._unshard_groups("forward", after)
+            self._unshard_groups(Reason.FORWARD, after)
             for target in self.settings.forward_prefetch or ():
                 for g in target.own:
-                    g.unshard("forward_prefetch")
+                    g.unshard(Reason.FORWARD_PREFETCH)
             if torch.is_grad_enabled() and any(g.trainable for g in self.own):
                 args, kwargs = self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
@@ -480,12 +501,12 @@ class FSDPState:
         source of saved tensors, its backward never runs; the original forward's signal fires.
         """
         with record_function(f"FSDP::pre_recompute {self.fqn}"):
-            self._unshard_groups("backward")
+            self._unshard_groups(Reason.BACKWARD)
 
-    def _unshard_groups(self, phase: str, after: Optional[torch.Event] = None) -> None:
+    def _unshard_groups(self, reason: Reason, after: Optional[torch.Event] = None) -> None:
         """Own group and borrowed ones: issue every all-gather first, then wait for them."""
         for g in self.groups:
-            g.unshard(phase, after)
+            g.unshard(reason, after)
         for g in self.groups:
             g.wait_for_unshard()
 
@@ -568,7 +589,7 @@ class FSDPState:
         ctx = self.root_context()
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             if self.settings.unshard_in_backward:
-                self._unshard_groups("backward")  # a no-op when the previous group's backward prefetched it
+                self._unshard_groups(Reason.BACKWARD)  # a no-op when the previous group's backward prefetched it
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
             implicit = ctx.backward_prefetch_target(self)
@@ -577,7 +598,7 @@ class FSDPState:
                 if target.own and target.settings.unshard_in_backward:
                     with record_function(f"FSDP::backward_prefetch {target.fqn}"):
                         for g in target.own:
-                            g.unshard("backward_prefetch")
+                            g.unshard(Reason.BACKWARD_PREFETCH)
 
     def post_backward_signal(self) -> None:
         self._signals_pending = max(0, self._signals_pending - 1)
@@ -585,13 +606,13 @@ class FSDPState:
             self.handle(ModuleEvent.GRADIENTS_READY)
 
     def reduce(self) -> None:
-        self._post_backward("backward")
+        self._post_backward(Reason.BACKWARD)
 
-    def _post_backward(self, phase: str) -> None:
+    def _post_backward(self, reason: Reason) -> None:
         bucketed = self.follows_default_schedule()
         results = [
             r for g in self.own for r in g.post_backward(
-                phase, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
+                reason, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
                 bucketed=bucketed,
             )
         ]
@@ -609,7 +630,7 @@ class FSDPState:
         self._signals_pending = 0
         self._members_done.clear()
         if self.own:
-            self._post_backward("end_of_backward")
+            self._post_backward(Reason.END_OF_BACKWARD)
 
     def reset(self) -> None:
         if self.groups:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .debug import attach_active_traces
+from .collective import Reason
 from .param import FSDPParam
 from .state import FSDPState, fsdp_states
 
@@ -53,11 +53,11 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
     states = _states(model, recurse)
     for state in states:
-        attach_active_traces(state.root_context())
+        state.root_context().attach_active_observers()
     groups = list({id(g): g for s in states for g in s.groups}.values())  # tied groups once
     kept = {id(g) for g in groups if g.is_unsharded and not g.is_stale()}  # unsharded before: stay so
     for group in groups:
-        group.unshard("unsharded_context")
+        group.unshard(Reason.UNSHARDED_CONTEXT)
     for group in groups:
         group.wait_for_unshard()
     completed = False

@@ -209,11 +209,9 @@ def measure(
     if root is None:
         raise ValueError("plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "
                          "fully_shard(model, mesh=mesh).")
-    from ..debug import attach_active_traces
-
     ctx = root.root_context()  # lazy init first, outside the counting modes
     with trace(dtensor=True, memory=True, optimizers=[optimizer] if optimizer is not None else []) as t:
-        attach_active_traces(ctx)  # the model is counted from here
+        ctx.attach_active_observers()  # the model is counted from here
         for _ in range(steps):
             t.memory.new_step()
             t.memory.snapshot("step start")

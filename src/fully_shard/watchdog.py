@@ -1,0 +1,70 @@
+"""The watchdog: a CPU wait for a collective that takes too long writes what every root is doing
+and every thread's Python stack to stderr; the wait goes on.
+
+Turn it on with ``fully_shard.debug.set_watchdog(seconds)`` or ``FULLY_SHARD_WATCHDOG=seconds``.
+Off, a wait costs one module-attribute lookup.
+
+Imports: torch only (the comm layer waits through `wait`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+ENV_WATCHDOG = "FULLY_SHARD_WATCHDOG"
+
+_watchdog: Optional[float] = None
+_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()  # RootContexts (anything with describe() -> list[str])
+
+
+def set_watchdog(seconds: Optional[float]) -> None:
+    """A rank that waits longer than ``seconds`` for one of fully_shard's collectives writes, to
+    stderr, the state of every root in the process (phases, which groups are unsharded, work in
+    flight) and every thread's Python stack; the wait goes on. ``None``: off. CPU waits only: on
+    accelerators the host does not wait for collectives (streams do; PyTorch's NCCL watchdog and
+    flight recorder cover those)."""
+    global _watchdog
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"set_watchdog expects seconds > 0 or None (off), got {seconds!r}.")
+    _watchdog = None if seconds is None else float(seconds)
+
+
+def register_root(root: Any) -> None:
+    _roots.add(root)
+
+
+def wait(work: Any, what: str) -> None:
+    """``work.wait()``, under the watchdog's timer when it is on (off: nothing else on this path)."""
+    if _watchdog is None:
+        work.wait()
+        return
+    timer = threading.Timer(_watchdog, _dump, args=(what, _watchdog))
+    timer.daemon = True
+    timer.start()
+    try:
+        work.wait()
+    finally:
+        timer.cancel()
+
+
+def _dump(what: str, seconds: float) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    lines = [f"fully_shard watchdog: rank {rank} has waited more than {seconds:g} s for {what}. FSDP state:"]
+    for root in list(_roots):
+        lines.extend("  " + line for line in root.describe())
+    sys.stderr.write("\n".join(lines) + "\nPython stacks of every thread:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+
+
+
+if os.environ.get(ENV_WATCHDOG, "").strip():
+    set_watchdog(float(os.environ[ENV_WATCHDOG]))
