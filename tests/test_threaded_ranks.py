@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 W = 2
+# The global RNG is one per process: ranks that are threads build their models one at a time.
+_INIT = threading.Lock()
 
 
 def _run_threaded(fn: Callable[[int], Any]) -> list[Any]:
@@ -67,8 +69,9 @@ def _train(rank: int, skip_on_rank1: int = -1) -> Any:
     from fully_shard import debug, fully_shard
 
     mesh = init_device_mesh("cpu", (W,))
-    torch.manual_seed(0)
-    model = _Stack().double()
+    with _INIT:
+        torch.manual_seed(0)
+        model = _Stack().double()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -13,8 +13,9 @@ from fully_shard import collectives
 from fully_shard.discovery import _device_usable
 from fully_shard.layout import ShardLayout, local_rows, rows_per_rank
 from fully_shard.lifecycle import (
-    GROUP_STATES, ITERATION, MODULE, Event, IterationPhase, ModuleEvent, ShardedState, TrainingPhase, advance, step_for,
+    GROUP_STATES, Event, IterationPhase, ModuleEvent, ShardedState, Step, TrainingPhase, advance, step_for,
 )
+from fully_shard.state import ITERATION, MODULE, FSDPState, RootContext
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
@@ -68,24 +69,52 @@ def test_lifecycle_tables_decide_and_reject_illegal_moves():
     with pytest.raises(RuntimeError, match="module layers.0: FORWARD_DONE is not expected while in POST_BACKWARD"):
         step_for(MODULE, TrainingPhase.POST_BACKWARD, ModuleEvent.FORWARD_DONE, "module layers.0")
     # Every action a table names is a method of what consults it; every phase can be reset.
-    from fully_shard.state import FSDPState, RootContext
-
     for table, owner, phases in ((MODULE, FSDPState, TrainingPhase), (ITERATION, RootContext, IterationPhase)):
-        for step in table.values():
-            assert not step.action or callable(getattr(owner, step.action)), step
+        for entry in table.values():
+            for step in (entry,) if isinstance(entry, Step) else entry:
+                assert step.action is None or getattr(owner, step.action.__name__) is step.action, step
         reset = ModuleEvent.RESET if table is MODULE else Event.RESET
-        assert all(table[(p, reset)].to.name == "IDLE" for p in phases)
-    # One training step of one module, as the hooks report it.
+        assert all(table[(p, reset)].to.name == "IDLE" for p in phases)  # type: ignore[union-attr]
+
+
+class _Guards:
+    """What the module table's guards read: how many signals are pending, which members are done."""
+
+    def __init__(self, signals: int, members: int, done: set[int]) -> None:
+        self._signals_pending, self.modules, self._members_done = signals, list(range(members)), done
+
+    signals_left = FSDPState.signals_left
+    members_left = FSDPState.members_left
+    _member_index = FSDPState._member_index
+
+
+def test_module_table_walks_one_training_step():
+    """One step of one module as its hooks report it; guards choose between a table's steps: a
+    module used twice in forward reduces at its second signal; a list-form call reshards after its
+    last member's forward."""
     phase, seen = TrainingPhase.IDLE, []
-    for event in (ModuleEvent.FORWARD, ModuleEvent.FORWARD_DONE, ModuleEvent.PRE_BACKWARD, ModuleEvent.RECOMPUTE,
-                  ModuleEvent.GRADIENTS_READY, ModuleEvent.BACKWARD_END):
-        step = step_for(MODULE, phase, event, "m")
+    once, twice = _Guards(1, 1, set()), _Guards(2, 1, set())
+    hook_args = (0, None)  # what the forward hooks pass: the module, then its inputs or output
+    events = [(ModuleEvent.FORWARD, once, hook_args), (ModuleEvent.FORWARD_DONE, once, hook_args),
+              (ModuleEvent.PRE_BACKWARD, once, ()), (ModuleEvent.RECOMPUTE, once, hook_args),
+              (ModuleEvent.SIGNAL, twice, ()), (ModuleEvent.SIGNAL, once, ()), (ModuleEvent.BACKWARD_END, once, ())]
+    for event, guards, payload in events:
+        step = step_for(MODULE, phase, event, "m", guards, *payload)
         phase = step.then or step.to
-        seen.append((step.action, phase.name))
+        seen.append((step.action.__name__ if step.action else "", phase.name))
     assert seen == [
         ("unshard_for_forward", "FORWARD"), ("after_forward", "IDLE"), ("unshard_for_backward", "PRE_BACKWARD"),
-        ("unshard_for_recompute", "PRE_BACKWARD"), ("reduce", "IDLE"), ("reduce_leftovers", "IDLE"),
+        ("unshard_for_recompute", "PRE_BACKWARD"), ("count_signal", "PRE_BACKWARD"), ("reduce", "IDLE"),
+        ("reduce_leftovers", "IDLE"),
     ]
+    # List form, three members: the first two finish (FORWARD stays), the last reshards.
+    members = _Guards(1, 3, set())
+    chosen = []
+    for module in (0, 1, 2):
+        step = step_for(MODULE, TrainingPhase.FORWARD, ModuleEvent.FORWARD_DONE, "m", members, module, None)
+        chosen.append((step.action.__name__, step.to.name))
+        members._members_done.add(module)
+    assert chosen == [("finish_member", "FORWARD"), ("finish_member", "FORWARD"), ("after_forward", "IDLE")]
 
 
 def test_all_gather_layout_round_trips():

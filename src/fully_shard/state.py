@@ -40,7 +40,7 @@ from .copying import copy_fields, refuse_busy
 from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from .policy import MixedPrecisionPolicy
 from .registry import class_name
-from .lifecycle import ITERATION, MODULE, Event, IterationPhase, ModuleEvent, TrainingPhase, step_for
+from .lifecycle import Entry, Event, IterationPhase, ModuleEvent, Step, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
 
 
@@ -112,14 +112,14 @@ class RootContext:
             self._post_forward_groups[key] = post_forward_groups(info, size)
         return self._post_forward_groups[key]
 
-    # -- the iteration's lifecycle: hooks report events, the table (lifecycle.ITERATION) decides --
+    # -- the iteration's lifecycle: hooks report events, the table (ITERATION, below) decides ----
 
     def handle(self, event: Event) -> None:
         step = step_for(ITERATION, self.phase, event, f"root {class_name(self.root.modules[0])}")
         self.phase = step.to
         try:
-            if step.action:
-                getattr(self, step.action)()
+            if step.action is not None:
+                step.action(self)
         except StepVerdict:  # raised once the step's work is done
             if step.then is not None:
                 self.phase = step.then
@@ -439,37 +439,56 @@ class FSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
 
+    # -- hooks: each reports one event; the table (MODULE, below) decides what runs ----------------
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.ctx is None:
-            self.lazy_init()
-        in_backward = _in_backward()  # activation checkpointing recomputing this module
+        return self.handle(ModuleEvent.RECOMPUTE if _in_backward() else ModuleEvent.FORWARD, module, args, kwargs)
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.handle(ModuleEvent.RECOMPUTE_DONE if _in_backward() else ModuleEvent.FORWARD_DONE, module, output)
+
+    def pre_backward(self, *unused: Any) -> None:
+        self.handle(ModuleEvent.PRE_BACKWARD)
+
+    def post_backward_signal(self) -> None:
+        self.handle(ModuleEvent.SIGNAL)
+
+    def finish_backward(self) -> None:
+        """End of backward (`RootContext.finish_backward`)."""
+        self.handle(ModuleEvent.BACKWARD_END)
+
+    def reset(self) -> None:
+        self.handle(ModuleEvent.RESET)
+
+    def handle(self, event: ModuleEvent, *payload: Any) -> Any:
+        step = step_for(MODULE, self.phase, event, f"module {self.fqn or '<root>'}", self, *payload)
+        self.phase = step.to
+        result = step.action(self, *payload) if step.action is not None else None
+        if step.then is not None:
+            self.phase = step.then
+        return result
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def prepare_inputs(self, args: tuple, kwargs: dict, in_backward: bool) -> tuple[tuple, dict, Optional[torch.Event]]:
+        """Lazy init; the root moves the inputs to the device and reports to its iteration; inputs
+        cast to the compute dtype. Returns the post-optimizer event the first all-gather waits for."""
+        ctx = self.root_context()
         after: Optional[torch.Event] = None
         if self.is_root:
             args, kwargs = self._move_inputs(args, kwargs)
-            self.root_context().handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
+            ctx.handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
             if not in_backward:  # accelerators: the first all-gather waits only for the optimizer step
                 after, self.settings.post_optim_event = self.settings.post_optim_event, None
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs, after
+
+    def unshard_for_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs, after = self.prepare_inputs(args, kwargs, in_backward=False)
         if not self.groups:
             return args, kwargs
-        if in_backward:
-            self.handle(ModuleEvent.RECOMPUTE)
-            return args, kwargs
-        return self.handle(ModuleEvent.FORWARD, args, kwargs, after)
-
-    # -- the module's lifecycle: hooks report events, the table (lifecycle.MODULE) decides ------
-
-    def handle(self, event: ModuleEvent, *payload: Any) -> Any:
-        step = step_for(MODULE, self.phase, event, f"module {self.fqn or '<root>'}")
-        self.phase = step.to
-        result = getattr(self, step.action)(*payload)
-        if step.then is not None:
-            self.phase = step.then
-        return result
-
-    def unshard_for_forward(self, args: tuple, kwargs: dict, after: Optional[torch.Event]) -> tuple[tuple, dict]:
         for method, targets in (("set_modules_to_forward_prefetch", self.settings.forward_prefetch),
                                 ("set_modules_to_backward_prefetch", self.settings.backward_prefetch)):
             for target in targets or ():
@@ -493,15 +512,18 @@ class FSDPState:
                 "are gathered by another model's schedule (or never). Fix: pass sharded modules of this model."
             )
 
-    def unshard_for_recompute(self) -> None:
+    def unshard_for_recompute(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Forward inside backward: activation checkpointing recomputes this module.
 
         Only make sure the parameters are there (usually they are: this module's pre-backward
         or a prefetch gathered them). No post-backward signal: the recomputed graph is only a
         source of saved tensors, its backward never runs; the original forward's signal fires.
         """
-        with record_function(f"FSDP::pre_recompute {self.fqn}"):
-            self._unshard_groups(Reason.BACKWARD)
+        args, kwargs, _ = self.prepare_inputs(args, kwargs, in_backward=True)
+        if self.groups:
+            with record_function(f"FSDP::pre_recompute {self.fqn}"):
+                self._unshard_groups(Reason.BACKWARD)
+        return args, kwargs
 
     def _unshard_groups(self, reason: Reason, after: Optional[torch.Event] = None) -> None:
         """Own group and borrowed ones: issue every all-gather first, then wait for them."""
@@ -510,25 +532,29 @@ class FSDPState:
         for g in self.groups:
             g.wait_for_unshard()
 
-    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def finish_output(self, module: nn.Module, output: Any) -> Any:
+        """Post-forward of each module of the call: cast the output; the root reshards bucket
+        members its forward skipped; outputs hooked for backward."""
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
-        if self.is_root and self.ctx is not None and not _in_backward():
+        if self.is_root and self.ctx is not None:
             for bucket in self.ctx.buckets:
                 bucket.reshard_unused()
-        if not self.groups or _in_backward():
-            # Recompute inside backward: backward needs these parameters next; its own
-            # post-backward reshards them.
-            return output
-        if torch.is_grad_enabled():
+        if self.groups and torch.is_grad_enabled():
             output = self._hook_outputs_for_backward(output)
-        if self._all_members_done(module):
-            self.handle(ModuleEvent.FORWARD_DONE)
         return output
 
-    def after_forward(self) -> None:
-        """Reshard as the settings say (fully, to the smaller group, or keep); without grad no
-        backward will come for these parameters, so keep nothing unsharded."""
+    def finish_member(self, module: nn.Module, output: Any) -> Any:
+        """List form: one module of the call finished its forward; others still run."""
+        self._members_done.add(self._member_index(module))
+        return self.finish_output(module, output)
+
+    def after_forward(self, module: nn.Module, output: Any) -> Any:
+        """The call's forward is done: reshard as the settings say (fully, to the smaller group,
+        or keep); without grad no backward will come for these parameters, so keep nothing
+        unsharded."""
+        output = self.finish_output(module, output)
+        self._members_done.clear()
         grad_enabled = torch.is_grad_enabled()
         with record_function(f"FSDP::post_forward {self.fqn}"):
             for g in self.groups:
@@ -541,15 +567,25 @@ class FSDPState:
                     g.reshard_to_post_forward()
             if grad_enabled and self.own:
                 self.root_context().post_forward_order.append(self)
+        return output
 
-    def _all_members_done(self, module: nn.Module) -> bool:
-        if len(self.modules) == 1:
-            return True
-        self._members_done.add(next(i for i, m in enumerate(self.modules) if m is module))
-        if len(self._members_done) < len(self.modules):
-            return False
-        self._members_done.clear()
-        return True
+    def after_recompute(self, module: nn.Module, output: Any) -> Any:
+        """Backward needs these parameters next; its own post-backward reshards them."""
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def members_left(self, module: nn.Module, output: Any) -> bool:
+        """Guard: other modules of a list-form call have not finished this forward yet."""
+        return len(self._members_done | {self._member_index(module)}) < len(self.modules)
+
+    def is_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Guard: this is the root's forward (its own iteration decides what to do with a
+        backward still in flight)."""
+        return self.is_root
+
+    def _member_index(self, module: nn.Module) -> int:
+        return next(i for i, m in enumerate(self.modules) if m is module)
 
     def _move_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         device = self.info.device
@@ -580,13 +616,9 @@ class FSDPState:
 
     # -- backward --------------------------------------------------------------------------------
 
-    def pre_backward(self, *unused: Any) -> None:
-        self.root_context().handle(Event.PRE_BACKWARD)
-        if self.groups:
-            self.handle(ModuleEvent.PRE_BACKWARD)
-
     def unshard_for_backward(self) -> None:
         ctx = self.root_context()
+        ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             if self.settings.unshard_in_backward:
                 self._unshard_groups(Reason.BACKWARD)  # a no-op when the previous group's backward prefetched it
@@ -600,12 +632,16 @@ class FSDPState:
                         for g in target.own:
                             g.unshard(Reason.BACKWARD_PREFETCH)
 
-    def post_backward_signal(self) -> None:
-        self._signals_pending = max(0, self._signals_pending - 1)
-        if self._signals_pending == 0:
-            self.handle(ModuleEvent.GRADIENTS_READY)
+    def signals_left(self) -> bool:
+        """Guard: a module used several times in forward reduces after the backward of its first
+        use, i.e. when the last of its post-backward signals fires."""
+        return self._signals_pending > 1
+
+    def count_signal(self) -> None:
+        self._signals_pending -= 1
 
     def reduce(self) -> None:
+        self._signals_pending = 0
         self._post_backward(Reason.BACKWARD)
 
     def _post_backward(self, reason: Reason) -> None:
@@ -618,23 +654,12 @@ class FSDPState:
         ]
         self.root_context().start_reduce(results)
 
-    def finish_backward(self) -> None:
-        """End of backward (`RootContext.finish_backward`): every module, with groups or not."""
-        if self.groups:
-            self.handle(ModuleEvent.BACKWARD_END)
-        else:
-            self._signals_pending = 0
-
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""
         self._signals_pending = 0
         self._members_done.clear()
         if self.own:
             self._post_backward(Reason.END_OF_BACKWARD)
-
-    def reset(self) -> None:
-        if self.groups:
-            self.handle(ModuleEvent.RESET)
 
     def reset_module(self) -> None:
         self._signals_pending = 0
@@ -644,3 +669,63 @@ class FSDPState:
         for g in self.own:
             g.reshard()
             g.discard_unsharded_grads()
+
+
+_I, _E = IterationPhase, Event
+# The root's iteration: (phase, event) -> Step, whose action is the `RootContext` method that runs.
+# A pair missing here is a bug in the caller's sequence and raises, naming both.
+ITERATION: dict[tuple[IterationPhase, Event], Entry] = {
+    (_I.IDLE, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.start_iteration),
+    # Several forwards before one backward (an evaluation forward, or two losses summed).
+    (_I.FORWARD, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.start_iteration),
+    # A forward while backward is in flight: that backward raised, so autograd never ran the
+    # end-of-backward callback. Recover (reshard, drop its unreduced gradients), then start.
+    (_I.BACKWARD, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.recover_and_start),
+    (_I.FINALIZING, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.recover_and_start),
+    # Recomputation inside backward changes nothing at the root (the groups decide what to gather).
+    **{(phase, _E.RECOMPUTE): Step(phase) for phase in IterationPhase},
+    (_I.FORWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward),
+    # A backward with no forward since the last one ended: a retained graph run again.
+    (_I.IDLE, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward),
+    (_I.BACKWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD),
+    (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, RootContext.finish_backward, then=_I.IDLE),
+    **{(phase, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for phase in IterationPhase},
+}
+
+
+_P, _M, _S = TrainingPhase, ModuleEvent, FSDPState
+# One sharded module: (phase, event) -> Step (or steps tried in order: the first whose guard holds),
+# whose action is the `FSDPState` method that runs with the event's payload. A pair missing here
+# raises, naming the module and both. RECOMPUTE, BACKWARD_END and RESET can come in any phase.
+MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
+    # then=FORWARD again: a root whose last backward raised resets every module while it starts
+    # (RootContext.recover_and_start), this one included.
+    (_P.IDLE, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD),
+    # List form: the next module of the call; or a module that runs inside its own forward.
+    (_P.FORWARD, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD),
+    # The root's forward after a backward that raised (autograd never ran the end-of-backward
+    # callback): the root's recovery resets every module, the root included, as it starts.
+    **{(p, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD, when=_S.is_root_forward)
+       for p in (_P.PRE_BACKWARD, _P.POST_BACKWARD)},
+    (_P.FORWARD, _M.FORWARD_DONE): (
+        Step(_P.FORWARD, _S.finish_member, when=_S.members_left),  # list form: others still run
+        Step(_P.IDLE, _S.after_forward),
+    ),
+    # Gradients reach the module's outputs (also while its forward runs: autograd.grad inside it).
+    (_P.IDLE, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
+    (_P.FORWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
+    # Used twice in forward: its second use's outputs get gradients too.
+    (_P.PRE_BACKWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
+    # A signal fires when the gradients of one forward use exist; the module reduces at the last
+    # (with several uses, once for all). Without a pre-backward (its outputs reached the loss
+    # only untracked) too.
+    **{(p, _M.SIGNAL): (
+        Step(p, _S.count_signal, when=_S.signals_left),
+        Step(_P.POST_BACKWARD, _S.reduce, then=_P.IDLE),
+    ) for p in (_P.IDLE, _P.PRE_BACKWARD)},
+    **{(p, _M.SIGNAL): Step(p, _S.count_signal, when=_S.signals_left) for p in (_P.FORWARD, _P.POST_BACKWARD)},
+    **{(p, _M.RECOMPUTE): Step(p, _S.unshard_for_recompute) for p in TrainingPhase},
+    **{(p, _M.RECOMPUTE_DONE): Step(p, _S.after_recompute) for p in TrainingPhase},
+    **{(p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in TrainingPhase},
+    **{(p, _M.RESET): Step(_P.IDLE, _S.reset_module) for p in TrainingPhase},
+}
