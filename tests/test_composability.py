@@ -182,7 +182,7 @@ def _clip(layout: str, helper: bool) -> dict:
             except Exception as e:  # noqa: BLE001 - recording which error the stock function raises
                 stock_error = f"{type(e).__name__}: {e}"
         if helper:  # the inf-norm too: a MAX over the shards instead of a sum
-            from fully_shard.clip import total_norm
+            from fully_shard.api.clip import total_norm
 
             inf = total_norm([p.grad for p in model.parameters()], float("inf")).item()
             ref_inf = max(p.grad.abs().max().item() for p in ref.parameters())

@@ -59,9 +59,9 @@ def test_bad_options():
         model = nn.Linear(4, 4)
         with pytest.raises(ValueError, match="reshard_after_forward"):
             fully_shard(model, mesh=mesh, reshard_after_forward="yes")  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="mp_policy must be a fully_shard.policy.MixedPrecisionPolicy.*got torch.dtype"):
+        with pytest.raises(TypeError, match="mp_policy must be a fully_shard.MixedPrecisionPolicy.*got torch.dtype"):
             fully_shard(model, mesh=mesh, mp_policy=torch.bfloat16)  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match="offload_policy must be a fully_shard.policy.OffloadPolicy.*got builtins.str"):
+        with pytest.raises(TypeError, match="offload_policy must be a fully_shard.OffloadPolicy.*got builtins.str"):
             fully_shard(model, mesh=mesh, offload_policy="cpu")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="DeviceMesh"):
             fully_shard(model, mesh="cpu")  # type: ignore[arg-type]

@@ -135,7 +135,7 @@ def test_bad_per_parameter_offload_is_refused_before_anything_changes():
 
     with fake_world(2) as mesh:
         model = llama64(LlamaConfig(n_layers=1))
-        with pytest.raises(TypeError, match="offload_policy must be a fully_shard.policy.OffloadPolicy"):
+        with pytest.raises(TypeError, match="offload_policy must be a fully_shard.OffloadPolicy"):
             fully_shard(model, mesh=mesh, offload_policy={"*": "cpu"})
         with pytest.raises(TypeError, match="offload_policy must be"):
             fully_shard(model, mesh=mesh, offload_policy=lambda p: 42)

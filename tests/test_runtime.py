@@ -365,7 +365,7 @@ def test_eval_under_no_grad(ranks, world_size):
 def _iteration_phases() -> dict:
     """The root's iteration phase at each point of two micro-batches, an evaluation forward and a
     second backward through a retained graph; and what an event the table does not allow does."""
-    from fully_shard.lifecycle import Event
+    from fully_shard.runtime.lifecycle import Event
 
     model, _ = nested_mlp_and_reference()
     ctx_phase = lambda: model._get_fsdp_state().ctx.phase.name  # noqa: E731

@@ -9,13 +9,13 @@ import torch
 import torch.nn as nn
 
 from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fully_shard import collectives
-from fully_shard.discovery import _device_usable
-from fully_shard.layout import ShardLayout, local_rows, rows_per_rank
-from fully_shard.lifecycle import (
+from fully_shard.runtime import collectives
+from fully_shard.api.discovery import _device_usable
+from fully_shard.layouts.layout import ShardLayout, local_rows, rows_per_rank
+from fully_shard.runtime.lifecycle import (
     GROUP_STATES, Event, IterationPhase, ModuleEvent, ShardedState, Step, TrainingPhase, advance, step_for,
 )
-from fully_shard.state import ITERATION, MODULE, FSDPState, RootContext
+from fully_shard.runtime.state import ITERATION, MODULE, FSDPState, RootContext
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 101])
@@ -188,7 +188,7 @@ SPLITS = {1: (1.0, 1.0), 2: (1.0, 2.0), 3: (1.0, 3.0), 4: (2.0, 2.0), 8: (2.0, 4
 @pytest.mark.parametrize("factor", sorted(SPLITS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_divide_split(factor, dtype):
-    from fully_shard.collectives import split_divide_factor
+    from fully_shard.runtime.collectives import split_divide_factor
 
     assert split_divide_factor(float(factor), dtype) == SPLITS[factor]
     for wide in (torch.float32, torch.float64):  # divided once, after the sum
@@ -201,7 +201,7 @@ def test_reduction_plan(force_sum, dtype):
     """NCCL averages fp32/bf16 in-kernel unless forced to sum; everything else sums and divides."""
     import torch.distributed as dist
 
-    from fully_shard.collectives import plan_reduction
+    from fully_shard.runtime.collectives import plan_reduction
 
     nccl = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=True, force_sum=force_sum)
     gloo = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=False, force_sum=force_sum)

@@ -21,9 +21,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .collective import ACTIVE_OBSERVERS, Collective
-from .schedule import ScheduleDivergence, set_schedule_check  # noqa: F401  (public: fully_shard.debug.*)
-from .watchdog import set_watchdog  # noqa: F401  (public: fully_shard.debug.set_watchdog)
+from .runtime.collective import ACTIVE_OBSERVERS, Collective
+from .features.schedule import ScheduleDivergence, set_schedule_check  # noqa: F401  (public: fully_shard.debug.*)
+from .runtime.watchdog import set_watchdog  # noqa: F401  (public: fully_shard.debug.set_watchdog)
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torc
 
     ``dtensor=True`` also records DTensor's own collectives run in this thread (tensor and
     sequence parallel layers, redistributes), phase ``dtensor_forward`` / ``dtensor_backward``
-    (see `fully_shard.funcol_trace`). ``memory=True`` counts live tensor bytes on the model's
+    (see `fully_shard.tools.funcol_trace`). ``memory=True`` counts live tensor bytes on the model's
     device (``t.memory``: `fully_shard.plan.LiveBytes` with a snapshot by category at every
     collective; ``optimizers`` name whose state is optimizer state); ``fully_shard.plan.draw(t,
     path)`` draws it. Both watch every op, so they slow the step."""
@@ -151,11 +151,11 @@ def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torc
     try:
         with contextlib.ExitStack() as modes:
             if dtensor:
-                from .funcol_trace import FunctionalCollectiveTrace
+                from .tools.funcol_trace import FunctionalCollectiveTrace
 
                 modes.enter_context(FunctionalCollectiveTrace(t))
             if memory:
-                from .plan.memory import TraceMemory
+                from .tools.memory import TraceMemory
 
                 t.memory = TraceMemory(optimizers)
                 modes.enter_context(t.memory.counter)

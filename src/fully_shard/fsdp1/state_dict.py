@@ -16,7 +16,7 @@ the same conversions; ``optim_state_dict_to_load`` turns one back into what
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,6 @@ from .config import (
     StateDictType, as_ours,
 )
 
-if TYPE_CHECKING:
-    from .wrapper import FullyShardedDataParallel
 
 WRAPPED = "_fsdp_wrapped_module."
 _CONFIGS = {
@@ -54,7 +52,7 @@ def clean(name: str) -> str:
 
 
 def set_type(
-    modules: list["FullyShardedDataParallel"], kind: Any, config: Any, optim_config: Any
+    modules: list[nn.Module], kind: Any, config: Any, optim_config: Any
 ) -> StateDictSettings:
     kind = as_ours(kind, StateDictType, "state_dict_type")
     config_cls, optim_cls = _CONFIGS[kind]
@@ -68,7 +66,7 @@ def set_type(
     return previous
 
 
-def get_type(modules: list["FullyShardedDataParallel"]) -> StateDictSettings:
+def get_type(modules: list[nn.Module]) -> StateDictSettings:
     if not modules:
         raise ValueError("get_state_dict_type got a module with no FullyShardedDataParallel inside.")
     first = modules[0]._fsdp1_settings
@@ -78,7 +76,7 @@ def get_type(modules: list["FullyShardedDataParallel"]) -> StateDictSettings:
     return copy.copy(first)
 
 
-def convert_out(module: "FullyShardedDataParallel", state_dict: dict[str, Any], prefix: str) -> None:
+def convert_out(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
     """State-dict post hook of each instance: its entries (under ``prefix``; nested instances'
     already converted) from the engine's DTensor shards to its state-dict type, in place."""
     settings = module._fsdp1_settings
@@ -156,9 +154,7 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def _root_settings(model: nn.Module) -> StateDictSettings:
-    from .wrapper import FullyShardedDataParallel
-
-    return get_type(FullyShardedDataParallel.fsdp_modules(model))
+    return get_type([m for m in model.modules() if "_fsdp1_settings" in m.__dict__])
 
 
 def optim_state_dict(
@@ -269,7 +265,7 @@ def model_params_and_names(model: nn.Module, optim: Optional[torch.optim.Optimiz
 def show_full_grads(roots: list[nn.Module]) -> Callable[[], None]:
     """summon_full_params(with_grads=True): the unsharded parameters get the full gradients;
     returns what drops them again."""
-    from ..state import fsdp_states
+    from ..runtime.state import fsdp_states
 
     shown = []
     for state in fsdp_states(roots):

@@ -22,11 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..api import fully_shard, replicate
-from ..clip import clip_grad_norm_ as _clip_grad_norm
-from ..mesh import default_device_type
-from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ..unsharded import unsharded
+from ..api.sharding import fully_shard, replicate
+from ..api.clip import clip_grad_norm_ as _clip_grad_norm
+from ..layouts.mesh import default_device_type
+from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ..api.unsharded import unsharded
 from . import state_dict as sd
 from .comm_hooks import comm_hook_dtype
 from .config import (

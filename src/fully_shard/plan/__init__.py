@@ -4,7 +4,7 @@
 
 from .compute import ComputeRate, measure_flops
 from .draw import draw
-from .memory import CATEGORIES, LiveBytes, Snapshot
+from ..tools.memory import CATEGORIES, LiveBytes, Snapshot
 from .simulate import Plan, default_shard_fn, from_trace, measure, simulate
 from .recommend import Candidate, Option, recommend
 from .timing import PRESETS, Cluster, Link, StepTime

@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     mp = None
     if args.param_dtype == "bf16":
-        from ..policy import MixedPrecisionPolicy
+        from ..layouts.policy import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plans = [

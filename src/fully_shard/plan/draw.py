@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .memory import CATEGORIES
+from ..tools.memory import CATEGORIES
 from .simulate import GiB, Plan, from_trace
 
 COLORS = {

@@ -112,7 +112,7 @@ def recommend(
     sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]
     layouts: list[tuple[int, ...]] = [(world_size,)]
     layouts += [(world_size // s, s) for s in sizes if 1 < s < world_size and world_size % s == 0]
-    from ..policy import CPUOffloadPolicy, MixedPrecisionPolicy
+    from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
     policies = {"fp32": None, "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     options = []

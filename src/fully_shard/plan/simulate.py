@@ -17,9 +17,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
 from ..debug import CollectiveRecord, trace
-from ..mesh import SIMULATING
+from ..layouts.mesh import SIMULATING
 from .attention import FusedAttentionOnMeta
-from .memory import Snapshot, _local
+from ..tools.memory import Snapshot, _local
 
 if TYPE_CHECKING:
     from .timing import StepTime
@@ -100,8 +100,8 @@ def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard
     """Every block (the children of the outermost ``nn.ModuleList`` holding the most parameters,
     e.g. ``model.layers``), then the root, with these ``fully_shard`` settings (and the root's
     ``set_bucket_bytes``, when given)."""
-    from ..api import fully_shard
-    from ..policy import MixedPrecisionPolicy
+    from ..api.sharding import fully_shard
+    from ..layouts.policy import MixedPrecisionPolicy
 
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward,
               "offload_policy": offload_policy}

@@ -43,10 +43,17 @@ reduction, after it). A model, not a measurement: check it against one real step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
-if TYPE_CHECKING:
-    from .simulate import Plan
+
+class PlanView(Protocol):
+    """What the time model reads of a `simulate.Plan` (so this module needs no import of it)."""
+
+    module_params: dict[str, int]
+    collectives: list[Any]
+    module_offload_bytes: dict[str, int]
+    offloaded_elements: int
+    device_elements: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +129,7 @@ def _unit(module: str, units: dict[str, int]) -> str:
     return max(inside, key=len, default="")
 
 
-def estimate(plan: "Plan", cluster: Cluster, tokens: int, flops: Optional[float] = None) -> StepTime:
+def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[float] = None) -> StepTime:
     """The step time of ``plan`` on ``cluster`` with ``tokens`` tokens per rank per step."""
     rate = flops if flops is not None else cluster.flops
     fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -19,12 +19,20 @@ from . import collectives
 from .collective import Collective, Op, Reason
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
-from .mesh import MeshInfo, PostForwardGroup
+from ..layouts.mesh import MeshInfo, PostForwardGroup
 from .lifecycle import GROUP_STATES, ShardedState, advance
 from .param import FSDPParam
 
-if TYPE_CHECKING:
-    from .bucket import Bucket
+
+class SharedCollectives(Protocol):
+    """A `Bucket` (bucket.py), as its member groups use it: collectives shared with other groups."""
+
+    def gather_with(self, requester: "FSDPParamGroup", reason: Reason) -> list["FSDPParamGroup"]: ...
+
+    def add_grads(
+        self, group: "FSDPParamGroup", params: list[FSDPParam], grads: list[Optional[torch.Tensor]], reason: Reason
+    ) -> list["ReduceScatterResult"]: ...
+
 
 def label(groups: Sequence["FSDPParamGroup"]) -> str:
     """How traces name the groups that share one collective: their paths joined by ``+``."""
@@ -135,7 +143,7 @@ class FSDPParamGroup:
         # The root's finite check (finite.py), when on: sees each gradient before it is reduced.
         self.grad_observer: Optional[Callable[[FSDPParam, torch.Tensor], None]] = None
         # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
-        self.bucket: Optional["Bucket"] = None
+        self.bucket: Optional[SharedCollectives] = None
         # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
         self._gathered_versions: tuple[int, ...] = ()
         # Reduced gradients are divided by this (None: the shard world size, i.e. an average).

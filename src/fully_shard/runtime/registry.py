@@ -13,28 +13,40 @@ a tensor) and forgets a parameter when it dies.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol
 
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
-    from .param import FSDPParam
+
+class Managed(Protocol):
+    """What the registry holds (an `FSDPParam`; named by what its users read, so this module
+    needs no import of it)."""
+
+    sharded_param: nn.Parameter
+    places: list[Any]
+    group: Any
+
+    @property
+    def path(self) -> str: ...
+
+    def add_places(self, places: list[Any]) -> None: ...
+
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_SHARDED: "weakref.WeakValueDictionary[int, FSDPParam]" = weakref.WeakValueDictionary()
+_SHARDED: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
 
 
-def register_original(original: nn.Parameter, managed: "FSDPParam") -> None:
+def register_original(original: nn.Parameter, managed: Managed) -> None:
     _ORIGINALS[original] = weakref.ref(managed)
 
 
-def register_sharded(managed: "FSDPParam") -> None:
+def register_sharded(managed: Managed) -> None:
     """Record ``managed.sharded_param`` (call again whenever it is replaced)."""
     _SHARDED[id(managed.sharded_param)] = managed
 
 
-def manager_of(param: nn.Parameter) -> Optional["FSDPParam"]:
+def manager_of(param: nn.Parameter) -> Optional[Managed]:
     managed = _SHARDED.get(id(param))
     if managed is not None and managed.sharded_param is param:
         return managed

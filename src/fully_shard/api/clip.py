@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .mesh import mesh_device
+from ..layouts.mesh import mesh_device
 
 _Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 

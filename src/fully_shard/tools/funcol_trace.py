@@ -12,15 +12,21 @@ a dispatch mode sees every op.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-if TYPE_CHECKING:
-    from .debug import Trace
+
+class RecordSink(Protocol):
+    """Where records go (a `fully_shard.debug.Trace`)."""
+
+    def add_record(
+        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
+        *, rank_span: tuple[int, int],
+    ) -> None: ...
 
 
 def _nbytes(tensors: Any) -> int:
@@ -52,7 +58,7 @@ def _ops() -> dict[Any, tuple[str, Callable[[tuple, Any], int]]]:
 class FunctionalCollectiveTrace(TorchDispatchMode):
     """Report each functional collective run inside it to ``trace`` (see the module docstring)."""
 
-    def __init__(self, trace: "Trace") -> None:
+    def __init__(self, trace: RecordSink) -> None:
         super().__init__()
         self.trace = trace
         self.ops = _ops()

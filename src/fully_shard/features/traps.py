@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .registry import manager_of
+from ..runtime.registry import manager_of
 
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user asked fully_shard to leave alone

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -53,15 +53,19 @@ from torch.distributed.tensor.placement_types import Placement
 from .copying import copy_fields, refuse_busy
 from .extension import EXTENSION_METHODS, ExtensionState, hooks_of
 from .host import allocating, host_device, to_device
-from .layout import ShardLayout
+from ..layouts.layout import ShardLayout
 from .lifecycle import ShardedState
-from .mesh import MeshInfo
-from .policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from ..layouts.mesh import MeshInfo
+from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .registry import manager_of, register_sharded
-from .tp import TPSpec
+from ..layouts.tp import TPSpec
 
-if TYPE_CHECKING:
-    from .param_group import FSDPParamGroup
+
+class GroupView(Protocol):
+    """What a parameter reads of the group that owns it (`FSDPParamGroup`)."""
+
+    fqn: str
+    sharded_state: ShardedState
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,7 @@ class FSDPParam:
     ) -> None:
         self.places = places
         self.fqn = places[0].fqn
-        self.group: Optional["FSDPParamGroup"] = None  # set by the group that owns it
+        self.group: Optional[GroupView] = None  # set by the group that owns it
         self.info = info
         self.requires_grad = param.requires_grad
         # CPUOffloadPolicy: the shard and its .grad live on the host; each all-gather copies the

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .collective import Reason
-from .param import FSDPParam
-from .state import FSDPState, fsdp_states
+from ..runtime.collective import Reason
+from ..runtime.param import FSDPParam
+from ..runtime.state import FSDPState, fsdp_states
 
 
 def _states(model: nn.Module, recurse: bool) -> list[FSDPState]:

@@ -65,6 +65,5 @@ def _dump(what: str, seconds: float) -> None:
     sys.stderr.flush()
 
 
-
 if os.environ.get(ENV_WATCHDOG, "").strip():
     set_watchdog(float(os.environ[ENV_WATCHDOG]))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .policy import CPUOffloadPolicy, OffloadPolicy, as_offload_policy
+from ..layouts.policy import CPUOffloadPolicy, OffloadPolicy, as_offload_policy
 
 Chooser = Callable[[nn.Parameter, str], Optional[CPUOffloadPolicy]]
 

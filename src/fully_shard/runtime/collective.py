@@ -2,7 +2,7 @@
 
 Every collective fully_shard issues is described once by a frozen `Collective` and handed to
 `CommContext.issue`, which calls each observer of the root before and after it runs: the trace
-(`fully_shard.debug`), the schedule check (`fully_shard.schedule`), and through the trace the
+(`fully_shard.debug`), the schedule check (`fully_shard.features.schedule`), and through the trace the
 memory counter and the planner. Nothing else announces a collective.
 
 Imports: torch only. Everything that issues or watches collectives imports this.

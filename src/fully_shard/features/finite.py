@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .param import FSDPParam
-from .state import RootContext, StepVerdict
+from ..runtime.param import FSDPParam
+from ..runtime.state import RootContext, StepVerdict
 
 MODES = ("raise", "report")
 ENV = "FULLY_SHARD_CHECK_FINITE"

@@ -15,10 +15,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .mesh import MeshInfo
-from .tp import joint_mesh
-from .param import FSDPParam, ParamPlace
-from .registry import manager_of
+from ..layouts.mesh import MeshInfo
+from ..layouts.tp import joint_mesh
+from ..runtime.param import FSDPParam, ParamPlace
+from ..runtime.registry import manager_of
 
 
 def is_sharded_module(module: nn.Module) -> bool:

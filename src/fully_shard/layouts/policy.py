@@ -88,7 +88,7 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
             cast_forward_inputs=policy.cast_forward_inputs,  # type: ignore[attr-defined]
         )
     raise TypeError(
-        f"mp_policy must be a fully_shard.policy.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
+        f"mp_policy must be a fully_shard.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
         f"converted too), got {_class_path(policy)}. Fix: pass fully_shard.MixedPrecisionPolicy(param_dtype=..., "
         "reduce_dtype=...)."
     )
@@ -106,7 +106,7 @@ def as_offload_policy(policy: object) -> OffloadPolicy:
     if _is_torch_policy(policy, "OffloadPolicy"):
         return OffloadPolicy()
     raise TypeError(
-        f"offload_policy must be a fully_shard.policy.OffloadPolicy or fully_shard.policy.CPUOffloadPolicy "
+        f"offload_policy must be a fully_shard.OffloadPolicy or fully_shard.CPUOffloadPolicy "
         f"(PyTorch's FSDP2 ones are converted too), got {_class_path(policy)}. Fix: pass "
         "fully_shard.CPUOffloadPolicy() to keep shards on the host, or leave it out."
     )

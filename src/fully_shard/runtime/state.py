@@ -37,8 +37,8 @@ from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
 from .collective import ACTIVE_OBSERVERS, CollectiveObserver, Reason
 from .comm import CommContext
 from .copying import copy_fields, refuse_busy
-from .mesh import MeshInfo, PostForwardGroup, post_forward_groups
-from .policy import MixedPrecisionPolicy
+from ..layouts.mesh import MeshInfo, PostForwardGroup, post_forward_groups
+from ..layouts.policy import MixedPrecisionPolicy
 from .registry import class_name
 from .lifecycle import Entry, Event, IterationPhase, ModuleEvent, Step, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult

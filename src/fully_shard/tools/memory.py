@@ -9,7 +9,7 @@ storage to be (`categories`): sharded parameters, gradients, optimizer state, un
 parameters, communication buffers, module buffers; the rest is activations and temporaries.
 
 Host memory (``CPUOffloadPolicy``) is counted apart (``host_current``, ``host_peak``): storages
-tracked as the host's, those the engine makes for the host (`fully_shard.host.allocating`), and
+tracked as the host's, those the engine makes for the host (`fully_shard.runtime.host.allocating`), and
 what any op makes from host storages only (the optimizer's state and temporaries). On a real
 accelerator run that is the CPU; in a meta simulation the host is meta too, told apart this way.
 
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..host import is_allocating
+from ..runtime.host import is_allocating
 
 CATEGORIES = (
     "sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "buffers", "activations",

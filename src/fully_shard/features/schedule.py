@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .collective import Collective
+from ..runtime.collective import Collective
 
 ENV = "FULLY_SHARD_CHECK_SCHEDULE"
 ENV_TIMEOUT = "FULLY_SHARD_SCHEDULE_TIMEOUT"

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .registry import manager_of
+from ..runtime.registry import manager_of
 
 Names = Union[str, tuple[str, ...], None]
 
