@@ -116,3 +116,13 @@ def test_each_layer_says_what_it_owns_and_may_import(package: str) -> None:
     assert "May import:" in doc and len(doc.split()) > 15, f"{init}: say what it owns and what it may import"
     tree = ast.parse(init.read_text())
     assert all(isinstance(n, ast.Expr) for n in tree.body), f"{init}: a layer's __init__ holds its docstring only"
+
+
+def test_no_line_over_110_characters_in_src() -> None:
+    long = [
+        f"{path.relative_to(SRC)}:{n}"
+        for path in SRC.rglob("*.py")
+        for n, line in enumerate(path.read_text().split("\n"), 1)
+        if len(line) > 110
+    ]
+    assert not long, long

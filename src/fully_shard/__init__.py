@@ -16,7 +16,13 @@ list (`tests/test_layers.py` enforces it), and each subpackage's docstring says 
 from . import debug, quant
 from .api.clip import clip_grad_norm_
 from .api.discovery import ShardPlacement
-from .api.module import FSDPModule, ReplicateModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .api.module import (
+    FSDPModule,
+    ReplicateModule,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .api.sharding import fully_shard, replicate
 from .api.spmd import DataParallelMeshDims
 from .api.unsharded import unsharded

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from .runtime.collective import ACTIVE_OBSERVERS, Collective
-from .features.schedule import ScheduleDivergence, set_schedule_check  # noqa: F401  (public: fully_shard.debug.*)
+
+# Public as fully_shard.debug.*:
+from .features.schedule import ScheduleDivergence, set_schedule_check  # noqa: F401
 from .runtime.watchdog import set_watchdog  # noqa: F401  (public: fully_shard.debug.set_watchdog)
 
 
@@ -60,7 +62,8 @@ class CollectiveRecord:
 class Trace:
     records: list[CollectiveRecord] = field(default_factory=list)
     step: int = 0
-    # trace(memory=True): live tensor bytes (`fully_shard.plan.memory.TraceMemory`), a snapshot at each collective.
+    # trace(memory=True): live tensor bytes (`fully_shard.plan.memory.TraceMemory`), a snapshot at each
+    # collective.
     memory: Any = None
     _started: bool = False
     _attached: list[Any] = field(default_factory=list)  # the roots (`RootContext`) it watches
@@ -83,8 +86,15 @@ class Trace:
         r = c.reduction
         extra = ("", 1.0, 1.0) if r is None else (r.name, r.before, r.after)
         self.add_record(
-            c.reason.value, c.modules or "<root>", c.op.value, c.dtype, c.nbytes, c.group.size(), c.group.group_name,
-            *extra, rank_span=span,
+            c.reason.value,
+            c.modules or "<root>",
+            c.op.value,
+            c.dtype,
+            c.nbytes,
+            c.group.size(),
+            c.group.group_name,
+            *extra,
+            rank_span=span,
         )
 
     def attach(self, root: Any) -> None:
@@ -95,18 +105,45 @@ class Trace:
             self.memory.attach(root.states)
 
     def add_record(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        reduce_op: str = "", pre_divide: float = 1.0, post_divide: float = 1.0, rank_span: tuple[int, int] = (0, 0),
+        self,
+        phase: str,
+        module: str,
+        op: str,
+        dtype: torch.dtype,
+        nbytes: int,
+        group_size: int,
+        group_name: str,
+        reduce_op: str = "",
+        pre_divide: float = 1.0,
+        post_divide: float = 1.0,
+        rank_span: tuple[int, int] = (0, 0),
     ) -> None:
-        self.records.append(CollectiveRecord(
-            self.step, phase, module, op, dtype, nbytes, group_size, group_name, reduce_op, pre_divide, post_divide,
-            rank_span,
-        ))
+        self.records.append(
+            CollectiveRecord(
+                self.step,
+                phase,
+                module,
+                op,
+                dtype,
+                nbytes,
+                group_size,
+                group_name,
+                reduce_op,
+                pre_divide,
+                post_divide,
+                rank_span,
+            )
+        )
         if self.memory is not None:
             self.memory.snapshot(f"{phase} {op} {module}")
 
     def select(
-        self, *, op: Optional[str] = None, phase: Optional[str] = None, step: Optional[int] = None, module: Optional[str] = None
+        self,
+        *,
+        op: Optional[str] = None,
+        phase: Optional[str] = None,
+        step: Optional[int] = None,
+        module: Optional[str] = None,
     ) -> list[CollectiveRecord]:
         return [
             r
@@ -128,7 +165,9 @@ class Trace:
             groups.setdefault((r.step, r.phase, r.op, r.group_size), []).append(r)
         for (step, phase, op, size), recs in groups.items():
             mib = sum(r.nbytes for r in recs) / 2**20
-            modules = ", ".join(f"{m}x{n}" if n > 1 else m for m, n in Counter(r.module for r in recs).items())
+            modules = ", ".join(
+                f"{m}x{n}" if n > 1 else m for m, n in Counter(r.module for r in recs).items()
+            )
             lines.append(f"{step:>4}  {phase:<18} {op:<15} {size:>5} {len(recs):>5} {mib:>10.3f}  {modules}")
         return "\n".join(lines)
 
@@ -137,7 +176,9 @@ class Trace:
 
 
 @contextlib.contextmanager
-def trace(dtensor: bool = False, memory: bool = False, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Iterator[Trace]:
+def trace(
+    dtensor: bool = False, memory: bool = False, optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> Iterator[Trace]:
     """Record the collectives of every root whose forward or unshard starts inside this block.
 
     ``dtensor=True`` also records DTensor's own collectives run in this thread (tensor and

@@ -43,8 +43,13 @@ class Int8AllGather:
         return "Int8AllGather()"
 
     def pre_all_gather(
-        self, tensor: torch.Tensor, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
-        module: Any, mp_policy: Any,
+        self,
+        tensor: torch.Tensor,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: Any,
+        mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
         rows = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).float()  # any size, zero rows too
         scale = rows.abs().amax(dim=1) / 127.0 if rows.shape[1] else rows.new_ones(rows.shape[0])
@@ -53,8 +58,13 @@ class Int8AllGather:
         return (q.view(tensor.shape), scale), None
 
     def post_all_gather(
-        self, tensor: torch.Tensor, outputs: tuple[torch.Tensor, ...], metadata: Any, param_dtype: torch.dtype,
-        *, out: Optional[torch.Tensor] = None,
+        self,
+        tensor: torch.Tensor,
+        outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: Optional[torch.Tensor] = None,
     ) -> Optional[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         q, scale = outputs  # (W * rows, *rest) int8 and (W * rows,) float32, padding rows included
         q2d = q.reshape(q.shape[0], math.prod(q.shape[1:]))

@@ -38,10 +38,15 @@ def _local_power_sum(tensors: list[torch.Tensor], norm_type: float) -> torch.Ten
     """Sum of |x|^p over the local elements (max |x| for the inf-norm), in fp32 or wider."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors])
+    norms = torch.stack(
+        [
+            torch.linalg.vector_norm(t, norm_type, dtype=torch.promote_types(t.dtype, torch.float32))
+            for t in tensors
+        ]
+    )
     if norm_type == float("inf"):
         return norms.max()
-    return (norms ** norm_type).sum()  # already fp32 or wider (fp64 stays fp64)
+    return (norms**norm_type).sum()  # already fp32 or wider (fp64 stays fp64)
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -63,7 +68,9 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
         for dim in dims:  # sum (max) over every mesh dim that splits these gradients
             if mesh.size(dim) == 1:
                 continue  # one rank holds it all: nothing to reduce
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            dist.all_reduce(
+                part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim)
+            )
         parts.append(part.to(device))
     if not parts:
         return torch.zeros((), device=device)
@@ -90,8 +97,8 @@ def clip_grad_norm_(
     total = total_norm(grads, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot "
-            "be clipped. Fix: find the non-finite gradient, or pass error_if_nonfinite=False."
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. Fix: find the non-finite gradient, or pass error_if_nonfinite=False."
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]  # type: ignore[attr-defined]

@@ -64,7 +64,9 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
     walked = [(m, fqn) for top, name in zip(modules, module_names) for m, fqn in _walk(top, name, seen)]
     walked_ids = {id(m) for m, _ in walked}
     for module, module_fqn in walked:
-        if isinstance(module, torch.jit.ScriptModule) and any(id(p) not in ignored for p in module.parameters()):
+        if isinstance(module, torch.jit.ScriptModule) and any(
+            id(p) not in ignored for p in module.parameters()
+        ):
             _refuse_script_module(_label(module, module_fqn))
         for name, param in module._parameters.items():
             if param is None or id(param) in ignored:
@@ -81,29 +83,31 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
     return Found(list(own.values()), list(borrowed.values()))
 
 
-def warn_uneven_complex(own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], infos: list[MeshInfo]) -> None:
+def warn_uneven_complex(
+    own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], infos: list[MeshInfo]
+) -> None:
     """A trainable complex parameter whose shard dim does not divide evenly over the ranks trains
     with SGD, but Adam / AdamW update complex parameters through ``view_as_real``, which on an
     unevenly sharded DTensor returns a copy: they would silently never update it."""
     for (param, places), dim, info in zip(own, shard_dims, infos):
         if param.is_complex() and param.requires_grad and param.dim() and param.shape[dim] % info.world_size:
             warnings.warn(
-                f"parameter '{places[0].fqn}' is complex with dim {dim} of size {param.shape[dim]}, which does not "
-                f"divide evenly over {info.world_size} ranks. torch.optim's Adam/AdamW update complex parameters "
-                "through view_as_real, which on an unevenly sharded DTensor returns a copy, so they would never "
-                "update it (SGD is fine). Fix: pad that dim to a multiple of the shard world size, or shard "
-                "another dim with shard_placement_fn.",
+                f"parameter '{places[0].fqn}' is complex with dim {dim} of size {param.shape[dim]}, which "
+                f"does not divide evenly over {info.world_size} ranks. torch.optim's Adam/AdamW update "
+                "complex parameters through view_as_real, which on an unevenly sharded DTensor returns a "
+                "copy, so they would never update it (SGD is fine). Fix: pad that dim to a multiple of the "
+                "shard world size, or shard another dim with shard_placement_fn.",
                 stacklevel=3,
             )
 
 
 def _refuse_script_module(where: str) -> None:
     raise ValueError(
-        f"fully_shard cannot manage the parameters of {where}: it is a TorchScript module (torch.jit.script / "
-        "trace), which keeps its parameters and forward in C++ where they cannot be swapped for shards or hooked. "
-        "Fix: apply fully_shard to the eager module (and use torch.compile for speed), or leave this module's "
-        "parameters out with ignored_params=set(module.parameters()) (they then stay replicated and are not "
-        "synchronised)."
+        f"fully_shard cannot manage the parameters of {where}: it is a TorchScript module (torch.jit.script "
+        "/ trace), which keeps its parameters and forward in C++ where they cannot be swapped for shards or "
+        "hooked. Fix: apply fully_shard to the eager module (and use torch.compile for speed), or leave "
+        "this module's parameters out with ignored_params=set(module.parameters()) (they then stay "
+        "replicated and are not synchronised)."
     )
 
 
@@ -129,13 +133,22 @@ def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
     tp_mesh = param.device_mesh
     rule = (
         f"parameter '{fqn}' is already a DTensor (placements {tuple(param.placements)} on mesh "
-        f"{tp_mesh.mesh_dim_names or tuple(tp_mesh.shape)}) that fully_shard did not make. fully_shard composes with "
-        "tensor parallelism when the parameter lives on the 'tp' dimension and the fully_shard mesh is the "
-        "'dp' dimension of one parent mesh, e.g. mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', "
-        "'tp')); parallelize_module(model, mesh['tp'], plan); fully_shard(model, mesh=mesh['dp'])."
+        f"{tp_mesh.mesh_dim_names or tuple(tp_mesh.shape)}) that fully_shard did not make. fully_shard "
+        "composes with tensor parallelism when the parameter lives on the 'tp' dimension and the "
+        "fully_shard mesh is the 'dp' dimension of one parent mesh, e.g. mesh = init_device_mesh(device, "
+        "(dp, tp), mesh_dim_names=('dp', 'tp')); parallelize_module(model, mesh['tp'], plan); "
+        "fully_shard(model, mesh=mesh['dp'])."
     )
-    if tp_mesh.ndim != 1 or tp_mesh == info.mesh or not _one_parent(info.mesh, tp_mesh) or not tp_mesh.mesh_dim_names or not info.mesh.mesh_dim_names:
-        raise ValueError(f"{rule} Fix: shard plain parameters, or use named sub-meshes of one parent mesh as shown.")
+    if (
+        tp_mesh.ndim != 1
+        or tp_mesh == info.mesh
+        or not _one_parent(info.mesh, tp_mesh)
+        or not tp_mesh.mesh_dim_names
+        or not info.mesh.mesh_dim_names
+    ):
+        raise ValueError(
+            f"{rule} Fix: shard plain parameters, or use named sub-meshes of one parent mesh as shown."
+        )
     if any(not isinstance(p, (Shard, Replicate)) for p in param.placements):
         raise ValueError(f"{rule} Its placements must be Shard or Replicate, got {tuple(param.placements)}.")
 
@@ -148,21 +161,21 @@ def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshI
             _check_tp_param(param, fqn, info)
         if param.dim() == 0:
             raise ValueError(
-                f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with "
-                "shape (1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it "
-                "in sync yourself."
+                f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with shape "
+                "(1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it in "
+                "sync yourself."
             )
         if not param.is_meta and not _device_usable(param.device, info.device):
             raise ValueError(
-                f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. "
-                f"Fix: move the module to {info.device} (or to CPU) before fully_shard, or pass a mesh "
-                f"on {param.device.type}."
+                f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. Fix: move "
+                f"the module to {info.device} (or to CPU) before fully_shard, or pass a mesh on "
+                f"{param.device.type}."
             )
         if not (param.is_floating_point() or param.is_complex()) and param.requires_grad:
             raise ValueError(
-                f"parameter '{fqn}' has dtype {param.dtype} and requires grad, but only floating-point and complex "
-                "tensors have gradients. Fix: set requires_grad=False on it (it is then gathered, never reduced), or "
-                "make it a buffer."
+                f"parameter '{fqn}' has dtype {param.dtype} and requires grad, but only floating-point and "
+                "complex tensors have gradients. Fix: set requires_grad=False on it (it is then gathered, "
+                "never reduced), or make it a buffer."
             )
 
 
@@ -207,15 +220,15 @@ def shard_choice_for(
         choice, mesh = choice.placement, choice.mesh_info.mesh  # type: ignore[attr-defined]
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise ValueError(
-            f"shard_placement_fn chose {mesh!r} as the mesh of parameter '{fqn}'; it must be a DeviceMesh (1-D, or "
-            "2-D (replicate, shard) for HSDP). Fix: return ShardPlacement(Shard(0), mesh=...)."
+            f"shard_placement_fn chose {mesh!r} as the mesh of parameter '{fqn}'; it must be a DeviceMesh "
+            "(1-D, or 2-D (replicate, shard) for HSDP). Fix: return ShardPlacement(Shard(0), mesh=...)."
         )
     if choice is None:
         return 0, mesh
     if type(choice) is not Shard:
         raise ValueError(
-            f"shard_placement_fn returned {choice!r} for parameter '{fqn}'; it must return Shard(dim), None (None "
-            "shards on dim 0), or ShardPlacement(Shard(dim) or None, mesh=...) for a mesh of its own."
+            f"shard_placement_fn returned {choice!r} for parameter '{fqn}'; it must return Shard(dim), None "
+            "(None shards on dim 0), or ShardPlacement(Shard(dim) or None, mesh=...) for a mesh of its own."
         )
     ndim = param.dim()
     dim = choice.dim + ndim if choice.dim < 0 else choice.dim

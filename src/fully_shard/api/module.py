@@ -114,13 +114,17 @@ class FSDPModule:
         """``False``: backward reduces nothing; gradients accumulate unsharded until a backward
         with ``True`` reduce-scatters them once (gradient accumulation without communication)."""
         for state in self._fsdp_states(recurse):
-            state.settings.requires_gradient_sync = _check_bool("requires_gradient_sync", requires_gradient_sync)
+            state.settings.requires_gradient_sync = _check_bool(
+                "requires_gradient_sync", requires_gradient_sync
+            )
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: keep the parameters unsharded after backward, so the next micro-batch's
         forward needs no all-gather (they are re-gathered anyway once an optimizer step changed them)."""
         for state in self._fsdp_states(recurse):
-            state.settings.reshard_after_backward = _check_bool("reshard_after_backward", reshard_after_backward)
+            state.settings.reshard_after_backward = _check_bool(
+                "reshard_after_backward", reshard_after_backward
+            )
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (see `fully_shard`)."""
@@ -135,19 +139,24 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters right after this module's, in its pre-forward."""
-        self._get_fsdp_state().settings.forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
+        self._get_fsdp_state().settings.forward_prefetch = _prefetch_states(
+            "set_modules_to_forward_prefetch", modules
+        )
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters in this module's pre-backward (replaces the
         implicit prefetch of the module that ran just before it in forward)."""
-        self._get_fsdp_state().settings.backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
+        self._get_fsdp_state().settings.backward_prefetch = _prefetch_states(
+            "set_modules_to_backward_prefetch", modules
+        )
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide reduced gradients by ``factor`` instead of the world size (1.0: plain sum)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
             raise ValueError(
-                f"set_gradient_divide_factor expects a finite number > 0 (reduced gradients are divided by it; "
-                f"1.0 sums them), got {factor!r}: 0, a negative, inf or NaN would zero, flip or poison every gradient."
+                "set_gradient_divide_factor expects a finite number > 0 (reduced gradients are divided by "
+                f"it; 1.0 sums them), got {factor!r}: 0, a negative, inf or NaN would zero, flip or poison "
+                "every gradient."
             )
         for state in self._fsdp_states(recurse):
             for g in state.own:
@@ -179,7 +188,9 @@ class FSDPModule:
         (default 1 MiB; ``0`` turns it off). Costs at most ``nbytes`` of extra unsharded parameters
         and of waiting gradients; see docs/design.md, "Bucketing", for the rule and the numerics."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}.")
+            raise ValueError(
+                f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}."
+            )
         state = self._require_root("set_bucket_bytes")
         state.settings.bucket_bytes = nbytes
         if state.ctx is not None:
@@ -209,7 +220,8 @@ class FSDPModule:
         if not isinstance(check, FiniteCheck):
             raise RuntimeError(
                 "nonfinite_grads(): the finite check is off, so nothing was checked. Fix: call "
-                "model.set_grad_finite_check('report') on the root before training (or set FULLY_SHARD_CHECK_FINITE=report)."
+                "model.set_grad_finite_check('report') on the root before training (or set "
+                "FULLY_SHARD_CHECK_FINITE=report)."
             )
         return list(check.report)
 
@@ -217,12 +229,15 @@ class FSDPModule:
         state = self._get_fsdp_state()
         if state.ctx is not None and not state.is_root:
             raise ValueError(
-                f"{method} on module '{state.fqn}' ({class_name(self)}), which is not a root: it applies to every "
-                f"module under one root. Fix: call it on the root module ({class_name(state.ctx.root.modules[0])})."
+                f"{method} on module '{state.fqn}' ({class_name(self)}), which is not a root: it applies to "
+                "every module under one root. Fix: call it on the root module "
+                f"({class_name(state.ctx.root.modules[0])})."
             )
         return state
 
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """``True`` (our default; PyTorch's is ``False``): every reduce-scatter carries all trainable
         parameters of its group, zeros where this rank has no gradient, and a used-count per
         parameter, so ranks that use different parameters (MoE routing, multi-modal branches) agree
@@ -234,7 +249,9 @@ class FSDPModule:
             for g in state.own:
                 g.reduce_unused = value
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None) -> None:
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None
+    ) -> None:
         """Call ``hook(reduce_output)`` on this module's every gradient reduction, after the
         reduce-scatter (and after the HSDP all-reduce, on a 2-D mesh), before the division and the
         accumulation into ``.grad``: e.g. your own all-reduce across replicas on a 1-D mesh.
@@ -242,14 +259,21 @@ class FSDPModule:
         used-count per parameter (see ``set_reduce_scatter_unused_params``). ``stream``
         (accelerators, 1-D mesh only): run the hook there; the accumulation waits for it."""
         if not callable(hook):
-            raise TypeError(f"set_all_reduce_hook expects a callable hook(reduce_output), got {type(hook).__name__}.")
+            raise TypeError(
+                f"set_all_reduce_hook expects a callable hook(reduce_output), got {type(hook).__name__}."
+            )
         state = self._get_fsdp_state()
         groups = self._own_groups("set_all_reduce_hook")
         if stream is not None:
             if state.info.device.type == "cpu":
-                raise ValueError("set_all_reduce_hook(stream=...) needs an accelerator mesh; on CPU there are no streams.")
+                raise ValueError(
+                    "set_all_reduce_hook(stream=...) needs an accelerator mesh; on CPU there are no streams."
+                )
             if any(g.info.is_hsdp for g in groups):
-                raise ValueError("set_all_reduce_hook(stream=...): with HSDP the hook runs where the all-reduce ran; drop stream.")
+                raise ValueError(
+                    "set_all_reduce_hook(stream=...): with HSDP the hook runs where the all-reduce ran; drop "
+                    "stream."
+                )
         for g in groups:
             g.all_reduce_hook = hook
             g.all_reduce_hook_stream = stream
@@ -271,7 +295,11 @@ class FSDPModule:
             g.custom_reduce_scatter = comm
 
     def set_all_gather_codec(
-        self, codec: Any, *, params: Optional[Callable[[str, nn.Parameter], bool]] = None, recurse: bool = True
+        self,
+        codec: Any,
+        *,
+        params: Optional[Callable[[str, nn.Parameter], bool]] = None,
+        recurse: bool = True,
     ) -> list[str]:
         """All-gather chosen parameters through ``codec`` (e.g. `fully_shard.quant.Int8AllGather`),
         or back through the plain all-gather with ``None``. Returns the names chosen.
@@ -285,14 +313,18 @@ class FSDPModule:
         the default chooses floating-point parameters of 2 or more dims. ``recurse``: every
         ``fully_shard`` module under this one too.
         """
-        if codec is not None and not (callable(getattr(codec, "pre_all_gather", None))
-                                      and callable(getattr(codec, "post_all_gather", None))):
+        if codec is not None and not (
+            callable(getattr(codec, "pre_all_gather", None))
+            and callable(getattr(codec, "post_all_gather", None))
+        ):
             raise TypeError(
-                f"set_all_gather_codec expects a codec with pre_all_gather and post_all_gather methods (or None), got "
-                f"{type(codec).__name__}. Fix: pass e.g. fully_shard.quant.Int8AllGather()."
+                "set_all_gather_codec expects a codec with pre_all_gather and post_all_gather methods (or "
+                f"None), got {type(codec).__name__}. Fix: pass e.g. fully_shard.quant.Int8AllGather()."
             )
         if params is not None and not callable(params):
-            raise TypeError(f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}.")
+            raise TypeError(
+                f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}."
+            )
         choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
         # (checked below: a chosen parameter sharded on another dim, or not floating point, is refused)
         prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
@@ -305,18 +337,26 @@ class FSDPModule:
         if not chosen:
             raise ValueError(
                 f"set_all_gather_codec on {class_name(self)} chose no parameter: "
-                + ("the params filter accepted none of them. " if params is not None else
-                   "no floating-point parameter with 2 or more dims is managed here. ")
+                + (
+                    "the params filter accepted none of them. "
+                    if params is not None
+                    else "no floating-point parameter with 2 or more dims is managed here. "
+                )
                 + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
             )
         if codec is not None:
             bad = [(n, fp) for fp, n in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
             if bad:
                 name, fp = bad[0]
-                why = f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)" if fp.shard_dim else f"has dtype {fp.dtype}"
+                why = (
+                    f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)"
+                    if fp.shard_dim
+                    else f"has dtype {fp.dtype}"
+                )
                 raise ValueError(
-                    f"set_all_gather_codec: parameter '{name}' {why}; nothing was changed. Fix: leave it out with "
-                    "params=lambda name, p: ... (the default takes every floating-point parameter of 2+ dims)."
+                    f"set_all_gather_codec: parameter '{name}' {why}; nothing was changed. Fix: leave it out "
+                    "with params=lambda name, p: ... (the default takes every floating-point parameter of "
+                    "2+ dims)."
                 )
         for fp, _ in chosen:
             fp.codec = codec
@@ -332,7 +372,9 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
         backward does not read them, e.g. an embedding lookup)."""
-        self._get_fsdp_state().settings.unshard_in_backward = _check_bool("unshard_in_backward", unshard_in_backward)
+        self._get_fsdp_state().settings.unshard_in_backward = _check_bool(
+            "unshard_in_backward", unshard_in_backward
+        )
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accelerators: the next forward's first all-gather waits for ``event`` (recorded after
@@ -368,18 +410,21 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     across stage streams), the CPU release worker, and the collective trace. Call before their
     first forward, with the roots (PyTorch's ``share_comm_ctx``)."""
     if not isinstance(modules, (list, tuple)):
-        raise TypeError(f"share_comm_ctx expects a list of fully_shard root modules, got {type(modules).__name__}.")
+        raise TypeError(
+            f"share_comm_ctx expects a list of fully_shard root modules, got {type(modules).__name__}."
+        )
     states = []
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise ValueError(
-                f"share_comm_ctx got a {class_name(m)}, which fully_shard was not applied to; pass the root modules."
+                f"share_comm_ctx got a {class_name(m)}, which fully_shard was not applied to; pass the root "
+                "modules."
             )
         state = m._get_fsdp_state()
         if state.ctx is not None:
             raise ValueError(
-                f"share_comm_ctx: {class_name(m)} already ran (its communication context exists). "
-                "Fix: call share_comm_ctx before the first forward of any of these modules."
+                f"share_comm_ctx: {class_name(m)} already ran (its communication context exists). Fix: call "
+                "share_comm_ctx before the first forward of any of these modules."
             )
         states.append(state)
     shared = SharedComm()
@@ -417,7 +462,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` unshard and reshard like ``forward`` does (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
         raise ValueError(
-            f"register_fsdp_forward_method needs a module fully_shard was applied to, got {type(module).__name__}."
+            "register_fsdp_forward_method needs a module fully_shard was applied to, got "
+            f"{type(module).__name__}."
         )
     method = getattr(module, method_name, None)
     if not callable(method):
@@ -443,7 +489,9 @@ class _ForwardMethod:
 
 @functools.cache
 def _sharded_class(cls: type) -> type:
-    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls})
+    return type(
+        f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    )
 
 
 class ReplicateModule(FSDPModule):

@@ -10,7 +10,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .discovery import check_params, find_params, is_sharded_module, move_buffers, shard_choice_for, warn_uneven_complex
+from .discovery import (
+    check_params,
+    find_params,
+    is_sharded_module,
+    move_buffers,
+    shard_choice_for,
+    warn_uneven_complex,
+)
 from ..layouts.mesh import check_reshard_after_forward, mesh_info, replicate_info
 from ..runtime.param import FSDPParam
 from ..runtime.param_group import FSDPParamGroup
@@ -75,12 +82,22 @@ def fully_shard(
         dims = as_dp_mesh_dims(dp_mesh_dims)
         full = mesh
         mesh, others = dp_mesh(full, dims)
-        changes = localize_params(modules, full, dims.replicate_names + dims.shard_names, others)  # type: ignore[arg-type]
+        names = dims.replicate_names + dims.shard_names
+        changes = localize_params(modules, full, names, others)  # type: ignore[arg-type]
     try:
         info = mesh_info(mesh)
-        reshard_after_forward = check_reshard_after_forward(reshard_after_forward, info)  # type: ignore[assignment]
-        _apply(modules, info, reshard_after_forward, mp_policy, offload_policy, ignored_params, shard_placement_fn,
-               _sharded_class)
+        checked = check_reshard_after_forward(reshard_after_forward, info)
+        reshard_after_forward = checked  # type: ignore[assignment]
+        _apply(
+            modules,
+            info,
+            reshard_after_forward,
+            mp_policy,
+            offload_policy,
+            ignored_params,
+            shard_placement_fn,
+            _sharded_class,
+        )
     except BaseException:
         restore(changes)  # a refused call leaves the parameters as they were
         raise
@@ -111,8 +128,14 @@ def replicate(
 
 
 def _apply(
-    modules: list[nn.Module], info: Any, reshard_after_forward: Any, mp_policy: Any, offload_policy: Any,
-    ignored_params: Optional[set[nn.Parameter]], shard_placement_fn: Any, make_class: Callable[[type], type],
+    modules: list[nn.Module],
+    info: Any,
+    reshard_after_forward: Any,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: Optional[set[nn.Parameter]],
+    shard_placement_fn: Any,
+    make_class: Callable[[type], type],
 ) -> None:
     """Check everything, then manage the parameters of ``modules`` as one group on ``info``."""
     mp_policy = as_mp_policy(mp_policy)
@@ -125,7 +148,9 @@ def _apply(
     for one, param_info in zip(found.own, infos):
         check_params([one], param_info)
     warn_uneven_complex(found.own, shard_dims, infos)
-    offloads = [choose_offload(param, places[0].fqn) for param, places in found.own]  # a bad choice raises here
+    offloads = [
+        choose_offload(param, places[0].fqn) for param, places in found.own
+    ]  # a bad choice raises here
     # Every check has passed; from here on nothing raises on user input.
     install_optimizer_check()
     register_ignored(ignored_params)
@@ -175,18 +200,22 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
             other = mesh_info(mesh)
             if other.device.type != info.device.type:
                 raise ValueError(
-                    f"shard_placement_fn chose a mesh on {other.device.type}, but fully_shard's mesh computes on "
-                    f"{info.device.type}. Fix: build every mesh of one call on the same device type."
+                    f"shard_placement_fn chose a mesh on {other.device.type}, but fully_shard's mesh "
+                    f"computes on {info.device.type}. Fix: build every mesh of one call on the same device "
+                    "type."
                 )
             if info.replicate_only:
-                raise ValueError("replicate() takes no per-parameter meshes; use fully_shard for those parameters.")
+                raise ValueError(
+                    "replicate() takes no per-parameter meshes; use fully_shard for those parameters."
+                )
             if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
                 try:
                     check_reshard_after_forward(reshard_after_forward, other)
                 except ValueError as e:
                     raise ValueError(
-                        f"{e} The call's reshard_after_forward applies to the parameters shard_placement_fn put on "
-                        f"another mesh {mesh} too. Fix: choose an int dividing both meshes' shard sizes, or True/False."
+                        f"{e} The call's reshard_after_forward applies to the parameters shard_placement_fn "
+                        f"put on another mesh {mesh} too. Fix: choose an int dividing both meshes' shard "
+                        "sizes, or True/False."
                     ) from None
             made.append((mesh, other))
             known = other
@@ -252,21 +281,24 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
             raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
         if isinstance(m, torch.jit.ScriptModule):
             raise ValueError(
-                f"fully_shard got a TorchScript module ({type(m).__name__} from torch.jit.script / trace): it keeps "
-                "its parameters and forward in C++ where they cannot be swapped for shards or hooked. Fix: apply "
-                "fully_shard to the eager module, and use torch.compile for speed."
+                f"fully_shard got a TorchScript module ({type(m).__name__} from torch.jit.script / trace): "
+                "it keeps its parameters and forward in C++ where they cannot be swapped for shards or "
+                "hooked. Fix: apply fully_shard to the eager module, and use torch.compile for speed."
             )
         if is_sharded_module(m):
             original = type(m).__bases__[-1].__name__
             raise ValueError(
-                f"fully_shard was already applied to this {original}; a module can be sharded once. "
-                "Fix: remove the second call (to change options, rebuild the module)."
+                f"fully_shard was already applied to this {original}; a module can be sharded once. Fix: "
+                "remove the second call (to change options, rebuild the module)."
             )
-        if type(m).forward is nn.Module.forward and "forward" not in m.__dict__:  # torch.compile sets it on the instance
+        if (
+            type(m).forward is nn.Module.forward and "forward" not in m.__dict__
+        ):  # torch.compile sets it on the instance
             raise ValueError(
-                f"fully_shard got a {type(m).__name__}, which has no forward of its own: its hooks would never run, "
-                "so its parameters would never be all-gathered. Fix: shard its children (for block in "
-                "model.layers: fully_shard(block)), or pass them as one group: fully_shard(list(model.layers))."
+                f"fully_shard got a {type(m).__name__}, which has no forward of its own: its hooks would "
+                "never run, so its parameters would never be all-gathered. Fix: shard its children (for "
+                "block in model.layers: fully_shard(block)), or pass them as one group: "
+                "fully_shard(list(model.layers))."
             )
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in one list; pass each module once.")

@@ -33,7 +33,9 @@ class DataParallelMeshDims:
 
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
-            raise ValueError("DataParallelMeshDims needs at least one of shard= or replicate= (mesh dim names).")
+            raise ValueError(
+                "DataParallelMeshDims needs at least one of shard= or replicate= (mesh dim names)."
+            )
 
     @property
     def shard_names(self) -> tuple[str, ...]:
@@ -54,10 +56,15 @@ def as_dp_mesh_dims(value: Any) -> DataParallelMeshDims:
     """Ours as is; PyTorch's ``DataParallelMeshDims`` (recognised by its fields) converted."""
     if isinstance(value, DataParallelMeshDims):
         return value
-    if type(value).__name__ == "DataParallelMeshDims" and hasattr(value, "shard") and hasattr(value, "replicate"):
+    if (
+        type(value).__name__ == "DataParallelMeshDims"
+        and hasattr(value, "shard")
+        and hasattr(value, "replicate")
+    ):
         return DataParallelMeshDims(shard=value.shard, replicate=value.replicate)
     raise TypeError(
-        f"dp_mesh_dims must be a fully_shard.DataParallelMeshDims (PyTorch's is converted), got {type(value).__name__}."
+        "dp_mesh_dims must be a fully_shard.DataParallelMeshDims (PyTorch's is converted), got "
+        f"{type(value).__name__}."
     )
 
 
@@ -86,8 +93,8 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
     unknown = [n for n in dp if n not in names]
     if unknown or len(set(dp)) != len(dp):
         raise ValueError(
-            f"dp_mesh_dims names {list(dp)}, but the mesh's dims are {list(names)} (each dp dim once). "
-            "Fix: name dims of the mesh you pass."
+            f"dp_mesh_dims names {list(dp)}, but the mesh's dims are {list(names)} (each dp dim once). Fix: "
+            "name dims of the mesh you pass."
         )
     others = tuple(n for n in names if n not in dp)
     if dims.replicate_names and dims.shard_names:
@@ -95,9 +102,10 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
         order = [names.index(n) for n in dp]
         if order != sorted(order):
             raise ValueError(
-                f"dp_mesh_dims: HSDP needs the replicate dims before the shard dims in the mesh's order, each side's "
-                f"dims in order; got replicate={list(dims.replicate_names)}, shard={list(dims.shard_names)} on a mesh "
-                f"with dims {list(names)}. Fix: build the mesh with its dims in that order."
+                "dp_mesh_dims: HSDP needs the replicate dims before the shard dims in the mesh's order, "
+                f"each side's dims in order; got replicate={list(dims.replicate_names)}, "
+                f"shard={list(dims.shard_names)} on a mesh with dims {list(names)}. Fix: build the mesh with "
+                "its dims in that order."
             )
         return mesh[_flat_name(mesh, dims.replicate_names), _flat_name(mesh, dims.shard_names)], others
     if dims.replicate_names:
@@ -108,7 +116,9 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
     return _dim(mesh, dims.shard_names), others
 
 
-def localize_params(modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[str, ...], others: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+def localize_params(
+    modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[str, ...], others: tuple[str, ...]
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Re-express parameters that are DTensors on the full mesh on the sub-mesh of ``others``
     (or as plain tensors when replicated everywhere). Returns what it replaced, for a rollback."""
     names = tuple(mesh.mesh_dim_names or ())
@@ -117,15 +127,20 @@ def localize_params(modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[
     for top in modules:
         for module in top.modules():
             for attr, param in list(module._parameters.items()):
-                if not isinstance(param, DTensor) or param.device_mesh != mesh or manager_of(param) is not None:
+                if (
+                    not isinstance(param, DTensor)
+                    or param.device_mesh != mesh
+                    or manager_of(param) is not None
+                ):
                     continue  # plain, on another mesh, or already sharded by an earlier call
                 placements = dict(zip(names, param.placements))
                 wrong = [n for n in dp_names if not isinstance(placements[n], Replicate)]
                 if wrong:
                     raise ValueError(
-                        f"parameter '{attr}' of {type(module).__name__} is a DTensor on the full mesh with placements "
-                        f"{tuple(param.placements)}: on the data-parallel dims {wrong} it must be Replicate() (fully_shard "
-                        "shards it there). Fix: distribute it over the non-data-parallel dims only."
+                        f"parameter '{attr}' of {type(module).__name__} is a DTensor on the full mesh with "
+                        f"placements {tuple(param.placements)}: on the data-parallel dims {wrong} it must be "
+                        "Replicate() (fully_shard shards it there). Fix: distribute it over the "
+                        "non-data-parallel dims only."
                     )
                 if id(param) not in seen:
                     local = param.to_local()
@@ -134,7 +149,9 @@ def localize_params(modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[
                         new = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
                     else:
                         sub = mesh[others[0]] if len(others) == 1 else mesh[others]
-                        dt = DTensor.from_local(local.detach(), sub, rest, shape=param.shape, stride=param.stride())
+                        dt = DTensor.from_local(
+                            local.detach(), sub, rest, shape=param.shape, stride=param.stride()
+                        )
                         new = nn.Parameter(dt, requires_grad=param.requires_grad)
                     seen[id(param)] = new
                 changes.append((module, attr, param, seen[id(param)]))

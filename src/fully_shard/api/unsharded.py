@@ -25,14 +25,15 @@ def _states(model: nn.Module, recurse: bool) -> list[FSDPState]:
         state = model.__dict__.get("_fsdp_state")
         if not isinstance(state, FSDPState):
             raise ValueError(
-                f"unsharded(recurse=False) got a {type(model).__name__}, which fully_shard was not applied to; pass "
-                "a module returned by fully_shard (or recurse=True for every one under it)."
+                f"unsharded(recurse=False) got a {type(model).__name__}, which fully_shard was not applied "
+                "to; pass a module returned by fully_shard (or recurse=True for every one under it)."
             )
         return [state]
     states = list(fsdp_states([model]))
     if not states:
         raise ValueError(
-            f"unsharded() got a {type(model).__name__} with no fully_shard module inside; apply fully_shard first."
+            f"unsharded() got a {type(model).__name__} with no fully_shard module inside; apply fully_shard "
+            "first."
         )
     return states
 

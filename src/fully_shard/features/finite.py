@@ -51,10 +51,11 @@ class NonFiniteGradients(StepVerdict):
         listed = "; ".join(f"'{r.param}' on rank(s) {list(r.ranks)}" for r in self.report[:8])
         more = f" (and {len(self.report) - 8} more)" if len(self.report) > 8 else ""
         super().__init__(
-            f"fully_shard: non-finite gradients (NaN/Inf) before the reduction: {listed}{more}. The optimizer step "
-            "would write them into the shards. Fix: find what overflows on those ranks (learning rate, loss "
-            "scaling, fp16 -> bf16), or skip such steps: model.set_grad_finite_check('report'), then "
-            "`if model.nonfinite_grads(): optimizer.zero_grad()` instead of `optimizer.step()`."
+            f"fully_shard: non-finite gradients (NaN/Inf) before the reduction: {listed}{more}. The "
+            "optimizer step would write them into the shards. Fix: find what overflows on those ranks "
+            "(learning rate, loss scaling, fp16 -> bf16), or skip such steps: "
+            "model.set_grad_finite_check('report'), then `if model.nonfinite_grads(): "
+            "optimizer.zero_grad()` instead of `optimizer.step()`."
         )
 
 

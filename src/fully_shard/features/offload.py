@@ -30,7 +30,9 @@ def offload_chooser(value: Any) -> Chooser:
         rules = []
         for pattern, policy in value.items():
             if not isinstance(pattern, str):
-                raise TypeError(f"offload_policy mapping keys must be parameter-name patterns (str), got {pattern!r}.")
+                raise TypeError(
+                    f"offload_policy mapping keys must be parameter-name patterns (str), got {pattern!r}."
+                )
             rules.append((pattern, as_offload_policy(policy)))
 
         def by_name(param: nn.Parameter, name: str) -> Optional[CPUOffloadPolicy]:
@@ -70,10 +72,14 @@ class OffloadPlan:
         return self.policy if param in self._params else None
 
     def __repr__(self) -> str:
-        return f"OffloadPlan({len(self.names)} parameters, {self.nbytes / 2**20:.1f} MiB: {self.names[:4]}...)"
+        return (
+            f"OffloadPlan({len(self.names)} parameters, {self.nbytes / 2**20:.1f} MiB: {self.names[:4]}...)"
+        )
 
 
-def offload_by_budget(model: nn.Module, budget_bytes: int, policy: Optional[CPUOffloadPolicy] = None) -> OffloadPlan:
+def offload_by_budget(
+    model: nn.Module, budget_bytes: int, policy: Optional[CPUOffloadPolicy] = None
+) -> OffloadPlan:
     """Offload the largest parameters of ``model`` whose (unsharded) bytes add up to at most
     ``budget_bytes``; the rest stays on the device. Pass the result as ``offload_policy`` to every
     ``fully_shard`` call on the model (before any of them runs: it recognises the parameters)."""
@@ -81,7 +87,8 @@ def offload_by_budget(model: nn.Module, budget_bytes: int, policy: Optional[CPUO
         raise ValueError(f"offload_by_budget expects a byte budget >= 0, got {budget_bytes!r}.")
     policy = policy if policy is not None else CPUOffloadPolicy()
     sized = sorted(
-        ((n, p) for n, p in model.named_parameters()), key=lambda item: item[1].numel() * item[1].element_size(),
+        ((n, p) for n, p in model.named_parameters()),
+        key=lambda item: item[1].numel() * item[1].element_size(),
         reverse=True,
     )
     chosen: dict[str, nn.Parameter] = {}

@@ -106,8 +106,8 @@ def _check(run: _Sequence, c: Collective) -> None:
     if len({s.rsplit(" [", 1)[0] for s in seen.values()}) > 1:
         listed = "; ".join(f"rank {r}: {s}" for r, s in seen.items())
         raise ScheduleDivergence(
-            f"fully_shard schedule check: ranks disagree on collective #{n} on process group {name}: {listed}. "
-            f"{_last(run, name)} {_FIX}"
+            f"fully_shard schedule check: ranks disagree on collective #{n} on process group {name}: "
+            f"{listed}. {_last(run, name)} {_FIX}"
         )
     run.agreed[name] = f"#{n}: {mine}"
     if n > 1:  # every rank of the group is past #n-1 now: nobody reads that key again
@@ -116,13 +116,17 @@ def _check(run: _Sequence, c: Collective) -> None:
 
 def _last(run: _Sequence, name: str) -> str:
     last = run.agreed.get(name)
-    return f"The last collective all ranks agreed on: {last}." if last else "No earlier collective on it was checked."
+    return (
+        f"The last collective all ranks agreed on: {last}."
+        if last
+        else "No earlier collective on it was checked."
+    )
 
 
 _FIX = (
-    "Fix: every rank must run the same sharded modules in the same order, with the same shapes, in every forward "
-    "and backward (run skipped blocks on every rank, or give rank-dependent code its own fully_shard root), and one "
-    "thread must drive a model at a time."
+    "Fix: every rank must run the same sharded modules in the same order, with the same shapes, in every "
+    "forward and backward (run skipped blocks on every rank, or give rank-dependent code its own fully_shard "
+    "root), and one thread must drive a model at a time."
 )
 
 # The process-wide setting (a timeout in seconds, or None: off). Each root's check reads it; the

@@ -50,13 +50,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         owner = manager_of(p)
         if owner is not None and owner.sharded_param is not p:
             raise RuntimeError(
-                f"{type(optimizer).__name__} holds parameter '{owner.path}' as it was before fully_shard, which "
-                "replaced it in the model with a sharded DTensor: this optimizer would never train it (and ranks "
-                "would drift). Either the optimizer was built before fully_shard, or a module no fully_shard call "
-                "covers still holds the original (a weight tied outside every call, e.g. lm_head.weight = "
-                "embed.weight with only embed sharded). Fix: build the optimizer after fully_shard (e.g. "
-                "torch.optim.AdamW(model.parameters()) once every call has run), and apply fully_shard to the "
-                "root so every module sharing the weight is covered."
+                f"{type(optimizer).__name__} holds parameter '{owner.path}' as it was before fully_shard, "
+                "which replaced it in the model with a sharded DTensor: this optimizer would never train it "
+                "(and ranks would drift). Either the optimizer was built before fully_shard, or a module no "
+                "fully_shard call covers still holds the original (a weight tied outside every call, e.g. "
+                "lm_head.weight = embed.weight with only embed sharded). Fix: build the optimizer after "
+                "fully_shard (e.g. torch.optim.AdamW(model.parameters()) once every call has run), and "
+                "apply fully_shard to the root so every module sharing the weight is covered."
             )
         if owner is not None:
             managed.append(owner)
@@ -66,9 +66,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
         warnings.warn(
-            f"{type(optimizer).__name__} steps {len(plain)} plain parameter(s) (shapes {shapes}) next to parameters "
-            "fully_shard manages. No fully_shard call manages them, so their gradients are never synchronised: each "
-            "rank updates them with its own gradients and the ranks drift apart. Fix: apply fully_shard to the root "
-            "module too (after its blocks), or pass them in ignored_params if that is what you want.",
+            f"{type(optimizer).__name__} steps {len(plain)} plain parameter(s) (shapes {shapes}) next to "
+            "parameters fully_shard manages. No fully_shard call manages them, so their gradients are never "
+            "synchronised: each rank updates them with its own gradients and the ranks drift apart. Fix: "
+            "apply fully_shard to the root module too (after its blocks), or pass them in ignored_params if "
+            "that is what you want.",
             stacklevel=3,
         )

@@ -4,9 +4,21 @@ docs/migrating_from_fsdp1.md."""
 
 from . import wrap
 from .config import (
-    BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig,
-    LocalStateDictConfig, MixedPrecision, OptimStateDictConfig, OptimStateKeyType, ShardedOptimStateDictConfig,
-    ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType,
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
 )
 from .wrapper import FullyShardedDataParallel
 

@@ -123,13 +123,26 @@ def as_ours(value: Any, expected: type, arg: str) -> Any:
             return expected[value.name]
         return expected(**{f.name: getattr(value, f.name) for f in fields(expected)})
     raise TypeError(
-        f"FullyShardedDataParallel({arg}=...) expects a {expected.__name__} (from fully_shard.fsdp1, or PyTorch's), "
-        f"got {name}: {value!r}."
+        f"FullyShardedDataParallel({arg}=...) expects a {expected.__name__} (from fully_shard.fsdp1, or "
+        f"PyTorch's), got {name}: {value!r}."
     )
 
 
 __all__ = [
-    "BackwardPrefetch", "CPUOffload", "FullOptimStateDictConfig", "FullStateDictConfig", "LocalOptimStateDictConfig",
-    "LocalStateDictConfig", "MixedPrecision", "OptimStateDictConfig", "OptimStateKeyType", "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig", "ShardingStrategy", "StateDictConfig", "StateDictSettings", "StateDictType", "as_ours",
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "as_ours",
 ]

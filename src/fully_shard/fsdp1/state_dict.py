@@ -24,9 +24,17 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import (
-    FullOptimStateDictConfig, FullStateDictConfig, LocalOptimStateDictConfig, LocalStateDictConfig,
-    OptimStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictSettings,
-    StateDictType, as_ours,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    as_ours,
 )
 
 
@@ -51,13 +59,15 @@ def clean(name: str) -> str:
     return name.replace(WRAPPED, "").replace("_checkpoint_wrapped_module.", "")
 
 
-def set_type(
-    modules: list[nn.Module], kind: Any, config: Any, optim_config: Any
-) -> StateDictSettings:
+def set_type(modules: list[nn.Module], kind: Any, config: Any, optim_config: Any) -> StateDictSettings:
     kind = as_ours(kind, StateDictType, "state_dict_type")
     config_cls, optim_cls = _CONFIGS[kind]
     config = as_ours(config, config_cls, "state_dict_config") if config is not None else config_cls()
-    optim_config = as_ours(optim_config, optim_cls, "optim_state_dict_config") if optim_config is not None else optim_cls()
+    optim_config = (
+        as_ours(optim_config, optim_cls, "optim_state_dict_config")
+        if optim_config is not None
+        else optim_cls()
+    )
     if not modules:
         raise ValueError("state_dict_type got a module with no FullyShardedDataParallel inside.")
     previous = get_type(modules)
@@ -91,16 +101,26 @@ def convert_out(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> N
             elif kind is StateDictType.LOCAL_STATE_DICT:
                 value = value.to_local()
             elif offload:
-                value = DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements,
-                                           run_check=False, shape=value.shape, stride=value.stride())
+                value = DTensor.from_local(
+                    value.to_local().cpu(),
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
         else:
-            original = module._fsdp1_buffer_dtypes.get(key[len(prefix):])
+            original = module._fsdp1_buffer_dtypes.get(key[len(prefix) :])
             if original is not None and isinstance(value, torch.Tensor):
                 value = value.to(original)
         if offload and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             value = value.cpu()
         state_dict[key] = value
-    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and dist.get_rank() != 0:
+    if (
+        kind is StateDictType.FULL_STATE_DICT
+        and getattr(config, "rank0_only", False)
+        and dist.get_rank() != 0
+    ):
         for key in keys:
             del state_dict[key]
 
@@ -115,16 +135,23 @@ def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
         if tuple(value.shape) != tuple(local.shape):
             raise ValueError(
                 f"loading a LOCAL_STATE_DICT: a shard of shape {tuple(value.shape)} where this rank holds "
-                f"{tuple(local.shape)}. A local state dict loads only at the world size and layout that saved it. "
-                "Fix: save and load a SHARDED_STATE_DICT (with torch.distributed.checkpoint) to change them."
+                f"{tuple(local.shape)}. A local state dict loads only at the world size and layout that "
+                "saved it. Fix: save and load a SHARDED_STATE_DICT (with torch.distributed.checkpoint) to "
+                "change them."
             )
-        return DTensor.from_local(value, current.device_mesh, current.placements, run_check=False,
-                                  shape=current.shape, stride=current.stride())
+        return DTensor.from_local(
+            value,
+            current.device_mesh,
+            current.placements,
+            run_check=False,
+            shape=current.shape,
+            stride=current.stride(),
+        )
     if tuple(value.shape) != tuple(current.shape):
         raise ValueError(
             f"loading a full state dict: a value of shape {tuple(value.shape)} for a parameter of shape "
-            f"{tuple(current.shape)}. Fix: load a FULL_STATE_DICT of this model (or set the state-dict type the "
-            "checkpoint was saved with)."
+            f"{tuple(current.shape)}. Fix: load a FULL_STATE_DICT of this model (or set the state-dict type "
+            "the checkpoint was saved with)."
         )
     return distribute_tensor(value, current.device_mesh, current.placements, src_data_rank=None)
 
@@ -137,7 +164,7 @@ def convert_in(module: nn.Module, state_dict: dict[str, Any], prefix: str, kind:
         return
     targets = {clean(n): p for n, p in module.named_parameters()}
     for key in [k for k in state_dict if k.startswith(prefix)]:
-        current = targets.get(clean(key[len(prefix):]))
+        current = targets.get(clean(key[len(prefix) :]))
         if current is not None:
             state_dict[key] = _as_param_layout(state_dict[key], current, kind)
 
@@ -158,7 +185,9 @@ def _root_settings(model: nn.Module) -> StateDictSettings:
 
 
 def optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, osd: Optional[dict[str, Any]],
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    osd: Optional[dict[str, Any]],
     settings: Optional[StateDictSettings] = None,
 ) -> dict[str, Any]:
     """``optim``'s state (``osd``, default ``optim.state_dict()``) keyed by parameter name, in the
@@ -170,7 +199,9 @@ def optim_state_dict(
     params = _ordered_params(optim)
     missing = [i for i, p in enumerate(params) if id(p) not in names]
     if missing:
-        raise ValueError(f"optim_state_dict: the optimizer holds {len(missing)} parameter(s) that are not the model's.")
+        raise ValueError(
+            f"optim_state_dict: the optimizer holds {len(missing)} parameter(s) that are not the model's."
+        )
 
     def convert(value: Any) -> Any:
         if isinstance(value, DTensor):
@@ -179,8 +210,14 @@ def optim_state_dict(
             elif kind is StateDictType.LOCAL_STATE_DICT:
                 value = value.to_local()
             elif config.offload_to_cpu:
-                return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.placements, run_check=False,
-                                          shape=value.shape, stride=value.stride())
+                return DTensor.from_local(
+                    value.to_local().cpu(),
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
         if config.offload_to_cpu and isinstance(value, torch.Tensor):
             value = value.cpu()
         return value
@@ -191,13 +228,20 @@ def optim_state_dict(
     groups = []
     for group in raw["param_groups"]:
         groups.append({**group, "params": [names[id(params[i])] for i in group["params"]]})
-    if kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and dist.get_rank() != 0:
+    if (
+        kind is StateDictType.FULL_STATE_DICT
+        and getattr(config, "rank0_only", False)
+        and dist.get_rank() != 0
+    ):
         return {}
     return {"state": state, "param_groups": groups}
 
 
 def optim_state_dict_to_load(
-    model: nn.Module, optim: Optional[torch.optim.Optimizer], osd: dict[str, Any], kind: Optional[StateDictType] = None,
+    model: nn.Module,
+    optim: Optional[torch.optim.Optimizer],
+    osd: dict[str, Any],
+    kind: Optional[StateDictType] = None,
 ) -> dict[str, Any]:
     """A name-keyed optimizer state dict (ours or PyTorch FSDP1's; ID-keyed ones too) as
     ``optim.load_state_dict`` takes it: keyed by position in ``optim`` (or, without one, in
@@ -206,7 +250,9 @@ def optim_state_dict_to_load(
     if kind is None:
         settings = _root_settings(model)
         kind = settings.state_dict_type
-        if kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False):
+        if kind is StateDictType.FULL_STATE_DICT and getattr(
+            settings.optim_state_dict_config, "rank0_only", False
+        ):
             osd = broadcast_from_rank0(osd)
     names = _names(model)
     params = _ordered_params(optim) if optim is not None else list(model.parameters())
@@ -215,14 +261,17 @@ def optim_state_dict_to_load(
     unknown = [n for n in osd["state"] if n not in index]
     if unknown:
         raise ValueError(
-            f"optim_state_dict_to_load: the state dict has state for {unknown[:3]}{'...' if len(unknown) > 3 else ''}, "
-            "which this optimizer does not hold. Fix: build the optimizer over the same parameters that were saved."
+            "optim_state_dict_to_load: the state dict has state for "
+            f"{unknown[:3]}{'...' if len(unknown) > 3 else ''}, which this optimizer does not hold. Fix: "
+            "build the optimizer over the same parameters that were saved."
         )
     state = {}
     for name, entry in osd["state"].items():
         p = params[index[name]]
-        state[index[name]] = {k: _as_param_layout(v, p, kind) if isinstance(v, torch.Tensor) and v.dim() else v
-                              for k, v in entry.items()}
+        state[index[name]] = {
+            k: _as_param_layout(v, p, kind) if isinstance(v, torch.Tensor) and v.dim() else v
+            for k, v in entry.items()
+        }
     if optim is not None and len(osd["param_groups"]) != len(optim.param_groups):
         raise ValueError(
             f"optim_state_dict_to_load: {len(osd['param_groups'])} parameter groups saved, the optimizer has "
@@ -258,7 +307,9 @@ def rekey(osd: dict[str, Any], to: str, params: list[torch.Tensor], names: dict[
     }
 
 
-def model_params_and_names(model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], dict[int, str]]:
+def model_params_and_names(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer]
+) -> tuple[list[torch.Tensor], dict[int, str]]:
     return (_ordered_params(optim) if optim is not None else list(model.parameters())), _names(model)
 
 

@@ -20,8 +20,14 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch.nn as nn
 
 __all__ = [
-    "CustomPolicy", "ModuleWrapPolicy", "always_wrap_policy", "enable_wrap", "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "wrap",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
 ]
 
 
@@ -41,7 +47,11 @@ class ModuleWrapPolicy(_Policy):
 
     def _run_policy(self, root_module, ignored_modules, root_kwargs):
         classes = tuple(self._module_classes)
-        return {m: copy.copy(root_kwargs) for m in root_module.modules() if m not in ignored_modules and isinstance(m, classes)}
+        return {
+            m: copy.copy(root_kwargs)
+            for m in root_module.modules()
+            if m not in ignored_modules and isinstance(m, classes)
+        }
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         return _module_wrap_policy(module, recurse, -1, self._module_classes)
@@ -65,7 +75,8 @@ class CustomPolicy(_Policy):
             res = self._lambda_fn(module)
             if not isinstance(res, (dict, bool)):
                 raise ValueError(
-                    f"The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, but it returned {res}"
+                    "The lambda_fn passed to CustomPolicy should return False/True or a kwarg dict, but it "
+                    f"returned {res}"
                 )
             if res:
                 kwargs = copy.copy(root_kwargs)
@@ -79,13 +90,17 @@ def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
-def _module_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: set[type[nn.Module]]) -> bool:
+def _module_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: set[type[nn.Module]]
+) -> bool:
     if recurse:
         return True
     return isinstance(module, tuple(module_classes))
 
 
-def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable) -> bool:
+def lambda_auto_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable
+) -> bool:
     if recurse:
         return True
     return lambda_fn(module)
@@ -97,45 +112,65 @@ def transformer_auto_wrap_policy(
     return _module_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls)
 
 
-def _wrap_module_cls_individually(module: nn.Module, module_classes: Sequence[type], recurse: bool, *args: Any, **kwargs: Any) -> bool:
+def _wrap_module_cls_individually(
+    module: nn.Module, module_classes: Sequence[type], recurse: bool, *args: Any, **kwargs: Any
+) -> bool:
     if recurse:
         return True
     return isinstance(module, tuple(module_classes))
 
 
 def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: Iterable[Callable]) -> bool:
-    return any(policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for policy in policies)
+    return any(
+        policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for policy in policies
+    )
 
 
 def size_based_auto_wrap_policy(
-    module: nn.Module, recurse: bool, nonwrapped_numel: int, min_num_params: int = int(1e8),
-    force_leaf_modules: Optional[set[type[nn.Module]]] = None, exclude_wrap_modules: Optional[set[type[nn.Module]]] = None,
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Optional[set[type[nn.Module]]] = None,
+    exclude_wrap_modules: Optional[set[type[nn.Module]]] = None,
 ) -> bool:
-    force_leaf = size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules  # type: ignore[attr-defined]
-    exclude = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules  # type: ignore[attr-defined]
+    force_leaf = (
+        size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
+    )  # type: ignore[attr-defined]
+    exclude = (
+        size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+        if exclude_wrap_modules is None
+        else exclude_wrap_modules
+    )  # type: ignore[attr-defined]
     is_large = nonwrapped_numel >= min_num_params
     if recurse:
         return is_large and not isinstance(module, tuple(force_leaf))
     return is_large and not isinstance(module, tuple(exclude))
 
 
-size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
+_EXCLUDED = {nn.ModuleList, nn.ModuleDict}
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = _EXCLUDED  # type: ignore[attr-defined]
 size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
 
 
 def targets_of(
-    policy: Any, root: nn.Module, ignored_modules: set[nn.Module], ignored_params: set[int], root_kwargs: dict[str, Any]
+    policy: Any,
+    root: nn.Module,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[int],
+    root_kwargs: dict[str, Any],
 ) -> dict[nn.Module, dict[str, Any]]:
     """The modules under ``root`` (``root`` excluded) that ``policy`` wraps, with their kwargs."""
-    if isinstance(policy, _Policy) or (type(policy).__name__ in ("ModuleWrapPolicy", "CustomPolicy")
-                                       and hasattr(policy, "_run_policy")):  # ours, or PyTorch's objects
+    if isinstance(policy, _Policy) or (
+        type(policy).__name__ in ("ModuleWrapPolicy", "CustomPolicy") and hasattr(policy, "_run_policy")
+    ):  # ours, or PyTorch's objects
         chosen = policy._run_policy(root, ignored_modules, root_kwargs)
         chosen.pop(root, None)
         return chosen
     if not callable(policy):
         raise TypeError(
-            f"FullyShardedDataParallel(auto_wrap_policy=...) expects a policy object (ModuleWrapPolicy, CustomPolicy) "
-            f"or a callable (module, recurse, nonwrapped_numel) -> bool, got {policy!r}."
+            "FullyShardedDataParallel(auto_wrap_policy=...) expects a policy object (ModuleWrapPolicy, "
+            f"CustomPolicy) or a callable (module, recurse, nonwrapped_numel) -> bool, got {policy!r}."
         )
     chosen: dict[nn.Module, dict[str, Any]] = {}
     _recursive(root, policy, ignored_modules, ignored_params, chosen, root_kwargs, only_children=True)
@@ -143,8 +178,13 @@ def targets_of(
 
 
 def _recursive(
-    module: nn.Module, policy: Callable, ignored_modules: set[nn.Module], ignored_params: set[int],
-    chosen: dict[nn.Module, dict[str, Any]], kwargs: dict[str, Any], only_children: bool = False,
+    module: nn.Module,
+    policy: Callable,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[int],
+    chosen: dict[nn.Module, dict[str, Any]],
+    kwargs: dict[str, Any],
+    only_children: bool = False,
 ) -> int:
     """FSDP1's ``_recursive_wrap`` as a walk that records targets: returns the parameter count
     wrapped at or below ``module``."""
@@ -171,7 +211,9 @@ class _WrapContext:
 def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
     """Inside the block, `wrap(module, **overrides)` returns ``wrapper_cls(module, **kwargs)``."""
     if _WrapContext.active:
-        raise NotImplementedError("You are already within an autowrap context and we currently do not supported nested autowrap.")
+        raise NotImplementedError(
+            "You are already within an autowrap context and we currently do not supported nested autowrap."
+        )
     _WrapContext.active, _WrapContext.wrapper_cls, _WrapContext.kwargs = True, wrapper_cls, wrapper_kwargs
     try:
         yield

@@ -30,9 +30,20 @@ from ..api.unsharded import unsharded
 from . import state_dict as sd
 from .comm_hooks import comm_hook_dtype
 from .config import (
-    BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision, OptimStateDictConfig,
-    OptimStateKeyType, ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictConfig,
-    StateDictSettings, StateDictType, as_ours,
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    as_ours,
 )
 from .wrap import targets_of
 
@@ -65,20 +76,28 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         # Every argument is checked before anything changes.
         if isinstance(module, FullyShardedDataParallel):
-            raise ValueError("FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it once.")
-        strategy = as_ours(sharding_strategy, ShardingStrategy, "sharding_strategy") or ShardingStrategy.FULL_SHARD
+            raise ValueError(
+                "FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it "
+                "once."
+            )
+        strategy = (
+            as_ours(sharding_strategy, ShardingStrategy, "sharding_strategy") or ShardingStrategy.FULL_SHARD
+        )
         cpu_offload = as_ours(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
         backward_prefetch = as_ours(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         mp = as_ours(mixed_precision, MixedPrecision, "mixed_precision")
         if mp is not None and mp.keep_low_precision_grads:
             raise ValueError(
-                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is not supported: "
-                "reduced gradients are kept in the parameters' dtype for the optimizer. Fix: drop "
-                "keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep the parameters "
-                "themselves in low precision (model.to(torch.bfloat16))."
+                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is "
+                "not supported: reduced gradients are kept in the parameters' dtype for the optimizer. Fix: "
+                "drop keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep "
+                "the parameters themselves in low precision (model.to(torch.bfloat16))."
             )
         if ignored_modules is not None and ignored_states is not None:
-            raise ValueError("Cannot pass both ignored_modules and ignored_states at the same time. Please just pass ignored_states.")
+            raise ValueError(
+                "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass "
+                "ignored_states."
+            )
         ignored_mods, ignored_params = _ignored(ignored_modules, ignored_states)
         device = _device(device_id, module)
         mesh = _mesh(strategy, process_group, device_mesh, device)
@@ -87,8 +106,11 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp1_strategy = strategy
         self._fsdp1_mp = mp
         self._fsdp1_use_orig_params = use_orig_params
-        self._fsdp1_settings = StateDictSettings(StateDictType.FULL_STATE_DICT, sd.default_config(StateDictType.FULL_STATE_DICT),
-                                                 sd.default_optim_config(StateDictType.FULL_STATE_DICT))
+        self._fsdp1_settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT,
+            sd.default_config(StateDictType.FULL_STATE_DICT),
+            sd.default_optim_config(StateDictType.FULL_STATE_DICT),
+        )
         self._fsdp1_comm_hook: Any = None
         # forward_prefetch: this instance all-gathers the one that ran after it in the first forward
         # (FSDP1's rule); the root records that order once (`_record_forward_order`).
@@ -98,25 +120,39 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp1_buffer_dtypes: dict[str, torch.dtype] = {}
         if auto_wrap_policy is not None:
             root_kwargs = dict(
-                process_group=None, sharding_strategy=strategy, cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
-                mixed_precision=mp, param_init_fn=param_init_fn, device_id=device_id, sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
-                device_mesh=mesh, ignored_states=list(ignored_params) or None,
+                process_group=None,
+                sharding_strategy=strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                mixed_precision=mp,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+                device_mesh=mesh,
+                ignored_states=list(ignored_params) or None,
             )
             ignored_ids = {id(p) for p in ignored_params}
             chosen = targets_of(auto_wrap_policy, module, ignored_mods, ignored_ids, root_kwargs)
             if mp is not None:  # FSDP1: modules of these classes get their own instance, in full precision
                 overridden = set()
                 for m in module.modules():
-                    if m is not module and m not in ignored_mods and isinstance(m, tuple(mp._module_classes_to_ignore)):
+                    if (
+                        m is not module
+                        and m not in ignored_mods
+                        and isinstance(m, tuple(mp._module_classes_to_ignore))
+                    ):
                         chosen[m] = {**chosen.get(m, root_kwargs), "mixed_precision": None}
                         _run_in_fp32(m)
                         overridden.add(type(m).__name__)
                 if overridden:
                     warnings.warn(
-                        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped module "
-                        f"has submodules of type: {sorted(overridden)}. These modules will be wrapped as separate FSDP "
-                        "instances with mixed precision disabled.", stacklevel=2,
+                        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "
+                        f"wrapped module has submodules of type: {sorted(overridden)}. These modules will be "
+                        "wrapped as separate FSDP instances with mixed precision disabled.",
+                        stacklevel=2,
                     )
             for kwargs in chosen.values():  # a policy that names a group of its own drops the inherited mesh
                 if kwargs.get("process_group") is not None:
@@ -134,22 +170,39 @@ class FullyShardedDataParallel(nn.Module):
         if mp is not None and mp.buffer_dtype is not None:
             self._fsdp1_buffer_dtypes = _cast_buffers(self, mp.buffer_dtype)
         policy = MixedPrecisionPolicy(
-            param_dtype=mp.param_dtype if mp else None, reduce_dtype=mp.reduce_dtype if mp else None,
+            param_dtype=mp.param_dtype if mp else None,
+            reduce_dtype=mp.reduce_dtype if mp else None,
             cast_forward_inputs=False,  # FSDP1's input casting (root / every instance) happens in forward
         )
         offload = CPUOffloadPolicy() if cpu_offload.offload_params else OffloadPolicy()
         if strategy is ShardingStrategy.NO_SHARD:
-            replicate(self, mesh=mesh, mp_policy=policy, offload_policy=offload, ignored_params=ignored_params or None)
+            replicate(
+                self,
+                mesh=mesh,
+                mp_policy=policy,
+                offload_policy=offload,
+                ignored_params=ignored_params or None,
+            )
         else:
-            reshard = None if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) else False
-            fully_shard(self, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=offload,
-                        ignored_params=ignored_params or None)
+            reshard = (
+                None if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD) else False
+            )
+            fully_shard(
+                self,
+                mesh=mesh,
+                reshard_after_forward=reshard,
+                mp_policy=policy,
+                offload_policy=offload,
+                ignored_params=ignored_params or None,
+            )
         if backward_prefetch is None:
             self.set_modules_to_backward_prefetch([])  # type: ignore[attr-defined]
         elif backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             warnings.warn(
-                "FullyShardedDataParallel(backward_prefetch=BACKWARD_POST) runs as BACKWARD_PRE here: the next module's "
-                "all-gather is issued when this module's backward starts (results are the same).", stacklevel=2,
+                "FullyShardedDataParallel(backward_prefetch=BACKWARD_POST) runs as BACKWARD_PRE here: the "
+                "next module's all-gather is issued when this module's backward starts (results are the "
+                "same).",
+                stacklevel=2,
             )
         # State dicts at any depth (a root inside a container too): names first, then values.
         self._register_state_dict_hook(_strip_wrapped_prefix)
@@ -179,8 +232,10 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         root = self._record_forward_order()
         mp = self._fsdp1_mp
-        if mp is not None and mp.param_dtype is not None and (
-            mp.cast_forward_inputs or (mp.cast_root_forward_inputs and self.check_is_root())
+        if (
+            mp is not None
+            and mp.param_dtype is not None
+            and (mp.cast_forward_inputs or (mp.cast_root_forward_inputs and self.check_is_root()))
         ):
             dtype = mp.param_dtype
             args, kwargs = tree_map_only(
@@ -234,7 +289,9 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             self.set_requires_gradient_sync(True, recurse=True)  # type: ignore[attr-defined]
 
-    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0
+    ) -> torch.Tensor:
         """Clip every gradient under this module by their global norm; return that norm (a plain tensor)."""
         total = _clip_grad_norm(self.parameters(), max_norm, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
@@ -242,27 +299,41 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     @contextlib.contextmanager
     def summon_full_params(
-        module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
-        offload_to_cpu: bool = False, with_grads: bool = False,
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
     ) -> Iterator[None]:
         """The full parameters in place inside the block (FSDP1's semantics; see the docs)."""
         if rank0_only and writeback:
-            raise ValueError("writeback=True and rank0_only=True is not supported, as model parameter shapes will "
-                             "be different across ranks, and writing to them can lead to inconsistencies across ranks when "
-                             "the context is exited.")
-        roots = [module] if isinstance(module, FullyShardedDataParallel) else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+            raise ValueError(
+                "writeback=True and rank0_only=True is not supported, as model parameter shapes will be "
+                "different across ranks, and writing to them can lead to inconsistencies across ranks when "
+                "the context is exited."
+            )
+        roots = (
+            [module]
+            if isinstance(module, FullyShardedDataParallel)
+            else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+        )
         if not roots:
-            raise ValueError(f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside.")
+            raise ValueError(
+                f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside."
+            )
         if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
             raise ValueError(
-                "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full parameters stay on "
-                "the device inside the block. Fix: for a CPU copy, use model.state_dict() under "
-                "state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
+                "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full "
+                "parameters stay on the device inside the block. Fix: for a CPU copy, use model.state_dict() "
+                "under state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
             )
         with contextlib.ExitStack() as stack:
             for r in roots:
                 stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
-            if rank0_only and dist.get_rank() != 0:  # only rank 0 sees the full parameters; the others gathered for it
+            if (
+                rank0_only and dist.get_rank() != 0
+            ):  # only rank 0 sees the full parameters; the others gathered for it
                 for r in roots:
                     for m in FullyShardedDataParallel.fsdp_modules(r) if recurse else [r]:
                         m.reshard()
@@ -274,12 +345,18 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def set_state_dict_type(
-        module: nn.Module, state_dict_type: StateDictType, state_dict_config: Optional[StateDictConfig] = None,
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> StateDictSettings:
         """Set the state-dict type of every instance under ``module``; return the previous settings."""
-        return sd.set_type(FullyShardedDataParallel.fsdp_modules(module), state_dict_type, state_dict_config,
-                           optim_state_dict_config)
+        return sd.set_type(
+            FullyShardedDataParallel.fsdp_modules(module),
+            state_dict_type,
+            state_dict_config,
+            optim_state_dict_config,
+        )
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
@@ -288,7 +365,9 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     @contextlib.contextmanager
     def state_dict_type(
-        module: nn.Module, state_dict_type: StateDictType, state_dict_config: Optional[StateDictConfig] = None,
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> Iterator[None]:
         modules = FullyShardedDataParallel.fsdp_modules(module)
@@ -296,18 +375,33 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            sd.set_type(modules, previous.state_dict_type, previous.state_dict_config, previous.optim_state_dict_config)
+            sd.set_type(
+                modules,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
 
     @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[dict[str, Any]] = None,
-                         group: Any = None) -> dict[str, Any]:
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: Optional[dict[str, Any]] = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """The optimizer's state keyed by parameter names, in the model's state-dict type."""
         _default_group_only(group, "optim_state_dict")
         return sd.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False, group: Any = None) -> dict[str, Any]:
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """A state dict ``optim.load_state_dict`` takes, from one `optim_state_dict` returned."""
         _default_group_only(group, "optim_state_dict_to_load")
         out = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
@@ -318,34 +412,55 @@ class FullyShardedDataParallel(nn.Module):
     # FSDP1's older optimizer state-dict functions, on the same conversions.
 
     @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
-                              rank0_only: bool = True, group: Any = None) -> dict[str, Any]:
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """The full optimizer state keyed by parameter name (on CPU; on rank 0 only with ``rank0_only``)."""
         _no_optim_input(optim_input)
         _default_group_only(group, "full_optim_state_dict")
-        settings = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
-                                     FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
+        settings = StateDictSettings(
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(),
+            FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only),
+        )
         return sd.optim_state_dict(model, optim, None, settings)
 
     @staticmethod
-    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Any = None
+    ) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, each value this rank's DTensor shard."""
         _default_group_only(group, "sharded_optim_state_dict")
-        settings = StateDictSettings(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
-                                     ShardedOptimStateDictConfig(offload_to_cpu=False))
+        settings = StateDictSettings(
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(),
+            ShardedOptimStateDictConfig(offload_to_cpu=False),
+        )
         return sd.optim_state_dict(model, optim, None, settings)
 
     @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module, optim_input: Any = None,
-                                    optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+    ) -> dict[str, Any]:
         """A full optimizer state dict (keyed by name or position) as this rank's optimizer loads it."""
         _no_optim_input(optim_input)
         return sd.optim_state_dict_to_load(model, optim, full_optim_state_dict, StateDictType.FULL_STATE_DICT)
 
     @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict[str, Any]], model: nn.Module,
-                                      optim_input: Any = None, optim: Optional[torch.optim.Optimizer] = None,
-                                      group: Any = None) -> dict[str, Any]:
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: Optional[dict[str, Any]],
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+        group: Any = None,
+    ) -> dict[str, Any]:
         """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks pass None)."""
         _no_optim_input(optim_input)
         _default_group_only(group, "scatter_full_optim_state_dict")
@@ -353,20 +468,29 @@ class FullyShardedDataParallel(nn.Module):
         return sd.optim_state_dict_to_load(model, optim, full, StateDictType.FULL_STATE_DICT)
 
     @staticmethod
-    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
-                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
         """A `sharded_optim_state_dict` as this rank's optimizer loads it (no flattening here)."""
-        return sd.optim_state_dict_to_load(model, optim, sharded_optim_state_dict, StateDictType.SHARDED_STATE_DICT)
+        return sd.optim_state_dict_to_load(
+            model, optim, sharded_optim_state_dict, StateDictType.SHARDED_STATE_DICT
+        )
 
     @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
-                               model: nn.Module, optim_input: Any = None,
-                               optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: OptimStateKeyType,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+    ) -> dict[str, Any]:
         """Keys by parameter name (``PARAM_NAME``) or by position in ``optim`` (or ``model.parameters()``)."""
         _no_optim_input(optim_input)
         key_type = as_ours(optim_state_key_type, OptimStateKeyType, "optim_state_key_type")
         params, names = sd.model_params_and_names(model, optim)
-        return sd.rekey(optim_state_dict, "name" if key_type is OptimStateKeyType.PARAM_NAME else "id", params, names)
+        return sd.rekey(
+            optim_state_dict, "name" if key_type is OptimStateKeyType.PARAM_NAME else "id", params, names
+        )
 
     # -- communication hooks ------------------------------------------------------------------------
 
@@ -399,25 +523,31 @@ def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:
 
 
 def _default_group_only(group: Any, method: str) -> None:
-    if group is not None and group is not dist.group.WORLD and group != dist.distributed_c10d._get_default_group():
+    if (
+        group is not None
+        and group is not dist.group.WORLD
+        and group != dist.distributed_c10d._get_default_group()
+    ):
         raise ValueError(
-            f"{method}(group=...) with a group other than the default one is not supported: the state is gathered "
-            "and broadcast over every rank, from rank 0. Fix: leave group out."
+            f"{method}(group=...) with a group other than the default one is not supported: the state is "
+            "gathered and broadcast over every rank, from rank 0. Fix: leave group out."
         )
 
 
 def _no_optim_input(optim_input: Any) -> None:
     if optim_input is not None:
         raise ValueError(
-            "optim_input is deprecated in FSDP1 and not supported here. Fix: pass optim=the optimizer (or nothing: "
-            "positions then follow model.parameters())."
+            "optim_input is deprecated in FSDP1 and not supported here. Fix: pass optim=the optimizer (or "
+            "nothing: positions then follow model.parameters())."
         )
 
 
-def _strip_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _strip_wrapped_prefix(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     inner = prefix + WRAPPED + "."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
 
 
 def _run_in_fp32(module: nn.Module) -> None:
@@ -425,9 +555,15 @@ def _run_in_fp32(module: nn.Module) -> None:
     are cast to float32, their outputs back to the dtype the inputs came in."""
 
     def pre(m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        floats = [t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        floats = [
+            t.dtype
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ]
         m.__dict__["_fsdp1_input_dtype"] = floats[0] if floats else None
-        return tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, (args, kwargs))
+        return tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, (args, kwargs)
+        )
 
     def post(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         dtype = m.__dict__.pop("_fsdp1_input_dtype", None)
@@ -439,18 +575,21 @@ def _run_in_fp32(module: nn.Module) -> None:
     module.register_forward_hook(post, with_kwargs=True)
 
 
-def _convert_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+def _convert_state_dict(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
     sd.convert_out(module, state_dict, prefix)  # type: ignore[arg-type]
 
 
 def _convert_loaded(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    sd.convert_in(module, state_dict, prefix, module._fsdp1_settings.state_dict_type)  # type: ignore[union-attr]
+    settings = module._fsdp1_settings
+    sd.convert_in(module, state_dict, prefix, settings.state_dict_type)  # type: ignore[union-attr]
 
 
 def _add_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     inner = prefix + WRAPPED + "."
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 def _ignored(ignored_modules: Any, ignored_states: Any) -> tuple[set[nn.Module], set[nn.Parameter]]:
@@ -464,7 +603,9 @@ def _ignored(ignored_modules: Any, ignored_states: Any) -> tuple[set[nn.Module],
                 raise ValueError("ignored_modules should not include FSDP modules")
             mods.update(item.modules())
         else:
-            raise TypeError(f"ignored_modules / ignored_states take modules and parameters, got {type(item).__name__}.")
+            raise TypeError(
+                f"ignored_modules / ignored_states take modules and parameters, got {type(item).__name__}."
+            )
     for m in mods:
         params.update(m.parameters(recurse=False))
     return mods, params
@@ -486,25 +627,32 @@ def _device(device_id: Any, module: nn.Module) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Optional[DeviceMesh], device: torch.device) -> DeviceMesh:
+def _mesh(
+    strategy: ShardingStrategy, process_group: Any, device_mesh: Optional[DeviceMesh], device: torch.device
+) -> DeviceMesh:
     hybrid = strategy in _HYBRID
     if device_mesh is not None:
         if process_group is not None:
-            raise ValueError("Cannot pass both process_group and device_mesh at the same time. Please just pass only one of them.")
+            raise ValueError(
+                "Cannot pass both process_group and device_mesh at the same time. Please just pass only one "
+                "of them."
+            )
         if device_mesh.ndim != (2 if hybrid else 1):
             raise ValueError(
-                f"sharding_strategy={strategy.name} needs a {'2-D (replicate, shard)' if hybrid else '1-D'} device_mesh, "
-                f"got a {device_mesh.ndim}-D one."
+                f"sharding_strategy={strategy.name} needs a {'2-D (replicate, shard)' if hybrid else '1-D'} "
+                f"device_mesh, got a {device_mesh.ndim}-D one."
             )
         return device_mesh
     if not dist.is_initialized():
-        raise RuntimeError("FullyShardedDataParallel needs torch.distributed initialised (init_process_group) first.")
+        raise RuntimeError(
+            "FullyShardedDataParallel needs torch.distributed initialised (init_process_group) first."
+        )
     if hybrid:
         if process_group is not None:
             if not (isinstance(process_group, tuple) and len(process_group) == 2):
                 raise ValueError(
-                    f"sharding_strategy={strategy.name} takes process_group=(intra_node_group, inter_node_group), got "
-                    f"{process_group!r}."
+                    f"sharding_strategy={strategy.name} takes process_group=(intra_node_group, "
+                    f"inter_node_group), got {process_group!r}."
                 )
             return _mesh_from_groups(*process_group, device)
         world = dist.get_world_size()
@@ -512,7 +660,10 @@ def _mesh(strategy: ShardingStrategy, process_group: Any, device_mesh: Optional[
             torch.accelerator.device_count() if device.type != "cpu" else world
         )
         if world % local:
-            raise ValueError(f"HYBRID_SHARD: the node size {local} does not divide the world size {world}; pass device_mesh.")
+            raise ValueError(
+                f"HYBRID_SHARD: the node size {local} does not divide the world size {world}; pass "
+                "device_mesh."
+            )
         return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
     if process_group is not None:
         return DeviceMesh.from_group(process_group, device.type)
@@ -527,8 +678,9 @@ def _mesh_from_groups(intra: Any, inter: Any, device: torch.device) -> DeviceMes
     for row in rows:
         table[row[0]] = row  # one row per shard group, keyed by its first rank
     ordered = [table[k] for k in sorted(table)]
-    return DeviceMesh.from_group([inter, intra], device.type, mesh=torch.tensor(ordered),
-                                 mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group(
+        [inter, intra], device.type, mesh=torch.tensor(ordered), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def _wrap_post_order(root: nn.Module, chosen: dict[nn.Module, dict[str, Any]]) -> None:
@@ -547,7 +699,9 @@ def _wrap_post_order(root: nn.Module, chosen: dict[nn.Module, dict[str, Any]]) -
     visit(root)
 
 
-def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ignored: set[nn.Module]) -> None:
+def _materialize(
+    module: nn.Module, param_init_fn: Any, device: torch.device, ignored: set[nn.Module]
+) -> None:
     """Meta-device modules (not yet under a nested instance): ``param_init_fn(m)`` on each, else
     ``to_empty`` + ``reset_parameters`` (FSDP1's rule)."""
     todo, queue = [], [module]
@@ -560,12 +714,15 @@ def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ig
     on_meta = any(t.is_meta for m in todo for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
     if not on_meta:
         return
-    stateful = [m for m in todo if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+    stateful = [
+        m for m in todo if any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+    ]
     if param_init_fn is None:
         missing = [type(m).__name__ for m in stateful if not hasattr(m, "reset_parameters")]
         if missing:
             raise ValueError(
-                f"{missing[0]} has meta-device parameters and no reset_parameters(); pass param_init_fn to initialise them."
+                f"{missing[0]} has meta-device parameters and no reset_parameters(); pass param_init_fn to "
+                "initialise them."
             )
     with torch.no_grad():
         for m in todo if param_init_fn is not None else stateful:
@@ -576,7 +733,9 @@ def _materialize(module: nn.Module, param_init_fn: Any, device: torch.device, ig
                 m.reset_parameters()
 
 
-def _to_device(module: nn.Module, device: torch.device, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]) -> None:
+def _to_device(
+    module: nn.Module, device: torch.device, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]
+) -> None:
     """Move what this instance manages to ``device``; a tensor registered in several places (tied
     weights) becomes one moved tensor everywhere."""
     moved: dict[int, torch.Tensor] = {}
@@ -596,12 +755,18 @@ def _to_device(module: nn.Module, device: torch.device, ignored: set[nn.Paramete
                     m._buffers[name] = moved[id(b)]
 
 
-def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]) -> None:
+def _broadcast_from_rank0(
+    module: nn.Module, mesh: DeviceMesh, ignored: set[nn.Parameter], ignored_mods: set[nn.Module]
+) -> None:
     """sync_module_states: every rank takes the first mesh rank's parameters and buffers (not the
     ignored ones, nor those nested instances already own)."""
     tensors = [p.detach() for p in module.parameters() if p not in ignored and not isinstance(p, DTensor)]
-    tensors += [b for m in module.modules() if m not in ignored_mods and not isinstance(m, FullyShardedDataParallel)
-                for b in m.buffers(recurse=False)]
+    tensors += [
+        b
+        for m in module.modules()
+        if m not in ignored_mods and not isinstance(m, FullyShardedDataParallel)
+        for b in m.buffers(recurse=False)
+    ]
     with torch.no_grad():
         for dim in reversed(range(mesh.ndim)):  # shard dim first, then across replicas
             group = mesh.get_group(dim)

@@ -77,9 +77,9 @@ def default_device_type() -> str:
 def default_mesh() -> DeviceMesh:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "fully_shard needs a process group to shard over, and none is initialised and no mesh "
-            "was given. Call torch.distributed.init_process_group(...) first (torchrun sets the "
-            "environment for it), or pass mesh=init_device_mesh(device_type, (world_size,))."
+            "fully_shard needs a process group to shard over, and none is initialised and no mesh was given. "
+            "Call torch.distributed.init_process_group(...) first (torchrun sets the environment for it), or "
+            "pass mesh=init_device_mesh(device_type, (world_size,))."
         )
     return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
@@ -189,8 +189,8 @@ def check_reshard_after_forward(value: object, info: MeshInfo) -> object:
         return value
     if not isinstance(value, int) or value < 1 or info.world_size % value:
         raise ValueError(
-            f"reshard_after_forward must be True, False, None or an int that divides the shard world "
-            f"size {info.world_size} (e.g. the ranks per node), got {value!r}."
+            "reshard_after_forward must be True, False, None or an int that divides the shard world size "
+            f"{info.world_size} (e.g. the ranks per node), got {value!r}."
         )
     if value == info.world_size:
         return True  # resharding to the whole world is plain resharding

@@ -19,8 +19,8 @@ def _check_dtype(field: str, value: Optional[torch.dtype]) -> None:
         return
     if not isinstance(value, torch.dtype) or value not in _FLOAT_DTYPES:
         raise ValueError(
-            f"MixedPrecisionPolicy.{field}={value!r} is not a floating-point torch.dtype; "
-            f"use one of {', '.join(str(d) for d in _FLOAT_DTYPES)} or None (keep the original dtype)."
+            f"MixedPrecisionPolicy.{field}={value!r} is not a floating-point torch.dtype; use one of "
+            f"{', '.join(str(d) for d in _FLOAT_DTYPES)} or None (keep the original dtype)."
         )
 
 
@@ -88,9 +88,9 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
             cast_forward_inputs=policy.cast_forward_inputs,  # type: ignore[attr-defined]
         )
     raise TypeError(
-        f"mp_policy must be a fully_shard.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
-        f"converted too), got {_class_path(policy)}. Fix: pass fully_shard.MixedPrecisionPolicy(param_dtype=..., "
-        "reduce_dtype=...)."
+        "mp_policy must be a fully_shard.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
+        f"converted too), got {_class_path(policy)}. Fix: pass "
+        "fully_shard.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)."
     )
 
 
@@ -106,7 +106,7 @@ def as_offload_policy(policy: object) -> OffloadPolicy:
     if _is_torch_policy(policy, "OffloadPolicy"):
         return OffloadPolicy()
     raise TypeError(
-        f"offload_policy must be a fully_shard.OffloadPolicy or fully_shard.CPUOffloadPolicy "
-        f"(PyTorch's FSDP2 ones are converted too), got {_class_path(policy)}. Fix: pass "
-        "fully_shard.CPUOffloadPolicy() to keep shards on the host, or leave it out."
+        "offload_policy must be a fully_shard.OffloadPolicy or fully_shard.CPUOffloadPolicy (PyTorch's "
+        f"FSDP2 ones are converted too), got {_class_path(policy)}. Fix: pass fully_shard.CPUOffloadPolicy() "
+        "to keep shards on the host, or leave it out."
     )

@@ -1,9 +1,9 @@
 """Tensor parallelism under ``fully_shard``: a parameter that is already a DTensor on a TP mesh.
 
 ``fully_shard`` shards its TP-local tensor over the data-parallel mesh (1-D, or 2-D HSDP). The
-sharded parameter is a DTensor on the joint ``(dp..., tp)`` mesh; the unsharded one a DTensor on the TP mesh again, as the
-TP-parallelised module expects; its gradient goes back to the TP placements before the
-reduce-scatter.
+sharded parameter is a DTensor on the joint ``(dp..., tp)`` mesh; the unsharded one a DTensor on
+the TP mesh again, as the TP-parallelised module expects; its gradient goes back to the TP
+placements before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ class TPSpec:
     def __deepcopy__(self, memo: dict[int, Any]) -> "TPSpec":
         return self  # immutable, and names a shared mesh
 
-    def joint(self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], shard_dim: int) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    def joint(
+        self, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], shard_dim: int
+    ) -> tuple[DeviceMesh, tuple[Placement, ...]]:
         """Mesh and placements of the sharded parameter: data-parallel dims, then the TP ones.
         When TP shards the same dim first, the data-parallel chunks live inside each TP chunk."""
         split = 1
@@ -46,7 +48,9 @@ class TPSpec:
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
         """The TP-local unsharded tensor as the DTensor the TP-parallelised module computes with."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The TP-local gradient (e.g. Partial -> Replicate first)."""

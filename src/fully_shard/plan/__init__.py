@@ -10,6 +10,22 @@ from .recommend import Candidate, Option, recommend
 from .timing import PRESETS, Cluster, Link, StepTime
 
 __all__ = [
-    "CATEGORIES", "PRESETS", "Candidate", "Cluster", "ComputeRate", "Link", "LiveBytes", "Option", "Plan", "Snapshot", "StepTime", "default_shard_fn",
-    "draw", "from_trace", "measure", "measure_flops", "recommend", "simulate",
+    "CATEGORIES",
+    "PRESETS",
+    "Candidate",
+    "Cluster",
+    "ComputeRate",
+    "Link",
+    "LiveBytes",
+    "Option",
+    "Plan",
+    "Snapshot",
+    "StepTime",
+    "default_shard_fn",
+    "draw",
+    "from_trace",
+    "measure",
+    "measure_flops",
+    "recommend",
+    "simulate",
 ]

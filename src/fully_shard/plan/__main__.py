@@ -68,7 +68,10 @@ def parse_mesh(text: str, ndim: int | None = None) -> tuple[int, ...]:
     if ndim is not None and len(shape) != ndim:
         raise SystemExit(f"--mesh {text!r} has {len(shape)} dims, but --mesh-dim-names names {ndim}")
     if ndim is None and len(shape) not in (1, 2):
-        raise SystemExit(f"--mesh takes N or RxS, got {text!r}; for more dims name them (--mesh-dim-names) and pass --shard-fn")
+        raise SystemExit(
+            f"--mesh takes N or RxS, got {text!r}; for more dims name them (--mesh-dim-names) and pass "
+            "--shard-fn"
+        )
     return shape
 
 
@@ -81,8 +84,11 @@ def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
     """One row per plan: peak per rank, what is live at the peak point, bytes per step (and the
     estimated step time, when ``times`` are given)."""
     tp = any(k.startswith("dtensor_") for plan in plans for k in plan.bytes_per_step())
-    head = ("| ranks | mesh | peak GiB/rank | at the peak point | sharded params | gradients | optimizer | unsharded params "
-            "| comm buffers | buffers | activations | all-gather GiB/step | reduce-scatter GiB/step | all-reduce GiB/step |")
+    head = (
+        "| ranks | mesh | peak GiB/rank | at the peak point | sharded params | gradients | optimizer | "
+        "unsharded params | comm buffers | buffers | activations | all-gather GiB/step | reduce-scatter "
+        "GiB/step | all-reduce GiB/step |"
+    )
     if tp:
         head += " DTensor (TP) GiB/step |"
     if times is not None:
@@ -94,11 +100,27 @@ def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
         rows.append(
             f"| {plan.world_size} | {'x'.join(map(str, plan.mesh_shape))} | {_gib(plan.peak_bytes)} | "
             f"{_gib(plan.peak_snapshot.total)} | "
-            + " | ".join(_gib(cats[k]) for k in ("sharded_params", "gradients", "optimizer_state",
-                                                 "unsharded_params", "communication", "buffers", "activations"))
-            + " | " + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce")) + " |"
+            + " | ".join(
+                _gib(cats[k])
+                for k in (
+                    "sharded_params",
+                    "gradients",
+                    "optimizer_state",
+                    "unsharded_params",
+                    "communication",
+                    "buffers",
+                    "activations",
+                )
+            )
+            + " | "
+            + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce"))
+            + " |"
             + (f" {_gib(sum(n for k, n in moved.items() if k.startswith('dtensor_')))} |" if tp else "")
-            + (f" {times[i].step_s * 1e3:.3g} | {times[i].exposed_s * 1e3:.3g} |" if times is not None else "")
+            + (
+                f" {times[i].step_s * 1e3:.3g} | {times[i].exposed_s * 1e3:.3g} |"
+                if times is not None
+                else ""
+            )
         )
     return "\n".join(rows)
 
@@ -109,34 +131,64 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input-shape", required=True, help="one rank's batch, e.g. 1x2048")
     p.add_argument("--input-dtype", default="long", choices=sorted(DTYPES))
     p.add_argument("--mesh", action="append", required=True, help="N or RxS; repeat for several")
-    p.add_argument("--mesh-dim-names", default=None, help="names of the mesh dims, e.g. dp,tp (with --shard-fn)")
-    p.add_argument("--shard-fn", default=None,
-                   help="module:function or file.py:function taking (model, mesh) and applying fully_shard (and TP)")
+    p.add_argument(
+        "--mesh-dim-names", default=None, help="names of the mesh dims, e.g. dp,tp (with --shard-fn)"
+    )
+    p.add_argument(
+        "--shard-fn",
+        default=None,
+        help="module:function or file.py:function taking (model, mesh) and applying fully_shard (and TP)",
+    )
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
-    p.add_argument("--cluster", default=None, choices=sorted(PRESETS),
-                   help="preset for the time estimate (default: h100-nvlink-ib400 in the parameter dtype)")
-    p.add_argument("--flops", default=None, help="compute rate for the estimate: FLOP/s, or 'measure' (on this machine)")
-    p.add_argument("--recommend", type=float, default=None, metavar="GIB",
-                   help="rank the usual settings (plan.recommend) at each --mesh's world size by what fits in GIB per rank "
-                        "and estimated step time; with --shard-fn, yours is ranked too")
-    p.add_argument("--png", default=None, help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        choices=sorted(PRESETS),
+        help="preset for the time estimate (default: h100-nvlink-ib400 in the parameter dtype)",
+    )
+    p.add_argument(
+        "--flops", default=None, help="compute rate for the estimate: FLOP/s, or 'measure' (on this machine)"
+    )
+    p.add_argument(
+        "--recommend",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="rank the usual settings (plan.recommend) at each --mesh's world size by what fits in GIB per "
+        "rank and estimated step time; with --shard-fn, yours is ranked too",
+    )
+    p.add_argument(
+        "--png",
+        default=None,
+        help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)",
+    )
     args = p.parse_args(argv)
     if args.shard_fn and args.param_dtype != "fp32":
-        raise SystemExit("--param-dtype sets the default shard_fn's MixedPrecisionPolicy; with --shard-fn, pass mp_policy "
-                         "to fully_shard in your function")
+        raise SystemExit(
+            "--param-dtype sets the default shard_fn's MixedPrecisionPolicy; with --shard-fn, pass mp_policy "
+            "to fully_shard in your function"
+        )
     names = tuple(args.mesh_dim_names.split(",")) if args.mesh_dim_names else None
     if names is not None and args.shard_fn is None:
         raise SystemExit("--mesh-dim-names needs --shard-fn (a function (model, mesh) that uses the names)")
-    meshes = [parse_mesh(m, len(names) if names else None) for m in args.mesh]  # all checked before any simulation runs
+    meshes = [
+        parse_mesh(m, len(names) if names else None) for m in args.mesh
+    ]  # all checked before any simulation runs
     try:
         shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--input-shape takes sizes joined by x (e.g. 1x2048), got {args.input_shape!r}") from None
-    if args.recommend is not None and (args.recommend <= 0 or args.flops is not None or args.png or args.param_dtype != "fp32"):
-        raise SystemExit("--recommend GIB takes a positive budget, prices each setting on --cluster (it tries both "
-                         "parameter dtypes), and draws nothing: leave out --flops, --png and --param-dtype")
+        raise SystemExit(
+            f"--input-shape takes sizes joined by x (e.g. 1x2048), got {args.input_shape!r}"
+        ) from None
+    if args.recommend is not None and (
+        args.recommend <= 0 or args.flops is not None or args.png or args.param_dtype != "fp32"
+    ):
+        raise SystemExit(
+            "--recommend GIB takes a positive budget, prices each setting on --cluster (it tries both "
+            "parameter dtypes), and draws nothing: leave out --flops, --png and --param-dtype"
+        )
     flops: float | None = None
     if args.flops is not None and args.flops != "measure":
         try:
@@ -158,8 +210,16 @@ def main(argv: list[str] | None = None) -> None:
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plans = [
-        simulate(build, inputs, mesh_shape=m, mesh_dim_names=names, shard_fn=shard_fn, mp_policy=mp, steps=args.steps,
-                 optimizer=None if args.optimizer == "none" else args.optimizer)
+        simulate(
+            build,
+            inputs,
+            mesh_shape=m,
+            mesh_dim_names=names,
+            shard_fn=shard_fn,
+            mp_policy=mp,
+            steps=args.steps,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+        )
         for m in meshes
     ]
     if args.flops == "measure":
@@ -167,17 +227,23 @@ def main(argv: list[str] | None = None) -> None:
 
         rate = measure_flops(build, inputs, dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
         flops = rate.flops
-        print(f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms "
-              f"= {rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms "
-              f"= {rate.optimizer_elements_per_s:.3g} elements/s; copies {rate.memory_bytes_per_s / 1e9:.1f} GB/s")
+        print(
+            f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms = "
+            f"{rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms = "
+            f"{rate.optimizer_elements_per_s:.3g} elements/s; copies {rate.memory_bytes_per_s / 1e9:.1f} GB/s"
+        )
     priced = PRESETS[cluster] if args.flops != "measure" else rate.on(PRESETS[cluster])
     times = [plan.estimate(priced, flops=flops) for plan in plans]
-    rate_text = f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
-    print(f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; "
-          f"params {args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} steps. "
-          "'peak' is the op-level peak; the categories split the timeline point with the most bytes "
-          "('at the peak point'); the difference is one op's temporaries. Time: "
-          f"{cluster}, compute at {rate_text}.\n")
+    rate_text = (
+        f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; params "
+        f"{args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} "
+        "steps. 'peak' is the op-level peak; the categories split the timeline point with the most bytes "
+        f"('at the peak point'); the difference is one op's temporaries. Time: {cluster}, compute at "
+        f"{rate_text}.\n"
+    )
     print(table(plans, times))
     if args.png:
         from .draw import draw
@@ -188,8 +254,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {path}")
 
 
-def recommend_table(args: argparse.Namespace, build: Callable[[], Any], inputs: torch.Tensor, meshes: list[tuple[int, ...]],
-                    names: tuple[str, ...] | None, shard_fn: Callable[..., Any] | None) -> None:
+def recommend_table(
+    args: argparse.Namespace,
+    build: Callable[[], Any],
+    inputs: torch.Tensor,
+    meshes: list[tuple[int, ...]],
+    names: tuple[str, ...] | None,
+    shard_fn: Callable[..., Any] | None,
+) -> None:
     """``--recommend GIB``: `recommend`'s ranking at each mesh's world size (your shard_fn on that mesh
     as a `Candidate`), the settings that fit first, fastest first."""
     from .recommend import Candidate, recommend
@@ -197,12 +269,26 @@ def recommend_table(args: argparse.Namespace, build: Callable[[], Any], inputs: 
     cluster = args.cluster or "h100-nvlink-ib400-bf16"
     for mesh in meshes:
         world = math.prod(mesh)
-        mine = [Candidate(f"--shard-fn {args.shard_fn} on {'x'.join(map(str, mesh))}", mesh, shard_fn, names)] if shard_fn else []
-        options = recommend(build, inputs, world_size=world, bytes_per_rank=int(args.recommend * GiB), cluster=cluster,
-                            candidates=mine, steps=args.steps, optimizer=None if args.optimizer == "none" else args.optimizer)
+        mine = (
+            [Candidate(f"--shard-fn {args.shard_fn} on {'x'.join(map(str, mesh))}", mesh, shard_fn, names)]
+            if shard_fn
+            else []
+        )
+        options = recommend(
+            build,
+            inputs,
+            world_size=world,
+            bytes_per_rank=int(args.recommend * GiB),
+            cluster=cluster,
+            candidates=mine,
+            steps=args.steps,
+            optimizer=None if args.optimizer == "none" else args.optimizer,
+        )
         fit = sum(o.fits for o in options)
-        print(f"world {world}: {len(options)} settings simulated on {cluster}, {fit} fit in {args.recommend:g} GiB per rank "
-              "(fitting ones first, fastest first):")
+        print(
+            f"world {world}: {len(options)} settings simulated on {cluster}, {fit} fit in {args.recommend:g} "
+            "GiB per rank (fitting ones first, fastest first):"
+        )
         for o in options:
             print(f"  {o}")
 

@@ -24,8 +24,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
-def _sdpa_arguments(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
-                    is_causal: bool = False, scale: Any = None, enable_gqa: bool = False) -> tuple:
+def _sdpa_arguments(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> tuple:
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
@@ -38,7 +46,11 @@ def _fused_inputs(q: Any, k: Any, v: Any, mask: Any, is_causal: bool, gqa: bool)
     """``(key, value, mask)`` as the fused kernel takes them, or None where SDPA itself must run."""
     if not all(type(t) is torch.Tensor and t.is_meta and t.dim() == 4 for t in (q, k, v)):
         return None
-    if not q.is_floating_point() or not q.dtype == k.dtype == v.dtype or not q.size(-1) == k.size(-1) == v.size(-1):
+    if (
+        not q.is_floating_point()
+        or not q.dtype == k.dtype == v.dtype
+        or not q.size(-1) == k.size(-1) == v.size(-1)
+    ):
         return None
     if q.size(0) != k.size(0) or k.shape[:3] != v.shape[:3]:
         return None

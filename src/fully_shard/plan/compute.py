@@ -36,8 +36,12 @@ class ComputeRate:
 
     def on(self, cluster: "Cluster") -> "Cluster":
         """``cluster`` computing, stepping the optimizer and copying at these rates."""
-        return dataclasses.replace(cluster, flops=self.flops, optimizer_elements_per_s=self.optimizer_elements_per_s,
-                                   memory_bytes_per_s=self.memory_bytes_per_s)
+        return dataclasses.replace(
+            cluster,
+            flops=self.flops,
+            optimizer_elements_per_s=self.optimizer_elements_per_s,
+            memory_bytes_per_s=self.memory_bytes_per_s,
+        )
 
 
 def _device() -> torch.device:
@@ -46,22 +50,31 @@ def _device() -> torch.device:
 
 
 def measure_flops(
-    build_model: Callable[[], nn.Module], sample_inputs: Any, *, device: Any = None, dtype: Optional[torch.dtype] = None,
-    repeats: int = 3, loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    build_model: Callable[[], nn.Module],
+    sample_inputs: Any,
+    *,
+    device: Any = None,
+    dtype: Optional[torch.dtype] = None,
+    repeats: int = 3,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
 ) -> ComputeRate:
     """Build the model on ``device`` (default: this machine's accelerator, else the CPU) for real,
     optionally cast to ``dtype`` (e.g. bfloat16, to price mixed-precision compute), and time
     ``repeats`` forward + backward passes of ``sample_inputs`` (one rank's batch), and AdamW's
-    step after each (on fp32 parameters, as a mixed-precision run's shards are), after one warm-up. It allocates the whole model, its gradients and activations: for a model that does
-    not fit here, measure a builder with fewer layers of the same shape (the rate carries over)."""
+    step after each (on fp32 parameters, as a mixed-precision run's shards are), after one warm-up.
+    It allocates the whole model, its gradients and activations: for a model that does not fit here,
+    measure a builder with fewer layers of the same shape (the rate carries over)."""
     from .simulate import _tokens, call
 
     if repeats < 1:
         raise ValueError(f"measure_flops(repeats={repeats}): time at least one pass.")
     tokens = _tokens(sample_inputs)
     if tokens == 0:
-        raise ValueError("measure_flops: sample_inputs holds no tensor to count tokens from (token ids, or embeddings "
-                         "whose last dim is the hidden size). Fix: pass one rank's batch as a tensor, tuple or dict of tensors.")
+        raise ValueError(
+            "measure_flops: sample_inputs holds no tensor to count tokens from (token ids, or embeddings "
+            "whose last dim is the hidden size). Fix: pass one rank's batch as a tensor, tuple or dict of "
+            "tensors."
+        )
     where = torch.device(device) if device is not None else _device()
     with torch.device(where):
         model = build_model()
@@ -69,7 +82,9 @@ def measure_flops(
         model.to(dtype)
     cast = dtype if dtype is not None and dtype.is_floating_point else None
     inputs = tree_map_only(
-        torch.Tensor, lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype), sample_inputs
+        torch.Tensor,
+        lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype),
+        sample_inputs,
     )
     params = [p for p in model.parameters() if p.requires_grad]
     # The optimizer steps the shards in the model's own dtype (fp32 here) whatever the compute
@@ -110,11 +125,22 @@ def measure_flops(
     step = statistics.median(r[1] for r in runs)
     n = sum(p.numel() for p in model.parameters())
     elements = sum(p.numel() for p in stepped)
-    return ComputeRate(6 * n * tokens / seconds, seconds, n, tokens, str(where), dtype, step, elements / step,
-                       _copy_rate(where, sync, repeats))
+    return ComputeRate(
+        6 * n * tokens / seconds,
+        seconds,
+        n,
+        tokens,
+        str(where),
+        dtype,
+        step,
+        elements / step,
+        _copy_rate(where, sync, repeats),
+    )
 
 
-def _copy_rate(where: torch.device, sync: Callable[[], None], repeats: int, nbytes: int = 64 * 2**20) -> float:
+def _copy_rate(
+    where: torch.device, sync: Callable[[], None], repeats: int, nbytes: int = 64 * 2**20
+) -> float:
     """Bytes read and written per second by a large device-to-device copy (fully_shard's copies)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=where)
     dst = torch.empty_like(src)

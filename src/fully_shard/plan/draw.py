@@ -9,8 +9,13 @@ from ..tools.memory import CATEGORIES
 from .simulate import GiB, Plan, from_trace
 
 COLORS = {
-    "sharded_params": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
-    "unsharded_params": "#c44e52", "communication": "#8172b3", "buffers": "#da8bc3", "activations": "#937860",
+    "sharded_params": "#4c72b0",
+    "gradients": "#dd8452",
+    "optimizer_state": "#55a868",
+    "unsharded_params": "#c44e52",
+    "communication": "#8172b3",
+    "buffers": "#da8bc3",
+    "activations": "#937860",
 }
 
 
@@ -43,21 +48,44 @@ def draw(plan: Any, path: str, title: str = "") -> None:
         values = [s.by_category.get(cat, 0) / GiB for s in plan.timeline]
         mem.bar(xs, values, bottom=bottoms, color=COLORS[cat], width=1.0, label=cat.replace("_", " "))
         bottoms = [b + v for b, v in zip(bottoms, values)]
-    mem.axhline(plan.peak_bytes / GiB, color="black", linestyle="--", linewidth=1, label=f"peak {plan.peak_bytes / GiB:.2f} GiB")
+    mem.axhline(
+        plan.peak_bytes / GiB,
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label=f"peak {plan.peak_bytes / GiB:.2f} GiB",
+    )
     if any(s.host for s in plan.timeline):  # CPUOffloadPolicy: the host's bytes, beside the device's
-        mem.plot(xs, [s.host / GiB for s in plan.timeline], color="black", linestyle=":", linewidth=1.5,
-                 label=f"host (offloaded), peak {plan.host_peak_bytes / GiB:.2f} GiB")
+        mem.plot(
+            xs,
+            [s.host / GiB for s in plan.timeline],
+            color="black",
+            linestyle=":",
+            linewidth=1.5,
+            label=f"host (offloaded), peak {plan.host_peak_bytes / GiB:.2f} GiB",
+        )
     ops = ("all_gather", "reduce_scatter", "all_reduce")
-    ticks = [i for i, s in enumerate(plan.timeline) if not any(op in s.label for op in ops)]  # phase boundaries
+    ticks = [
+        i for i, s in enumerate(plan.timeline) if not any(op in s.label for op in ops)
+    ]  # phase boundaries
     mem.set_xticks(ticks, [plan.timeline[i].label for i in ticks], rotation=30, ha="right", fontsize=8)
     mem.set_ylabel("GiB live on one rank")
-    mem.set_title(title or f"one training step, world {plan.world_size} (mesh {'x'.join(map(str, plan.mesh_shape))})")
+    mem.set_title(
+        title or f"one training step, world {plan.world_size} (mesh {'x'.join(map(str, plan.mesh_shape))})"
+    )
     mem.legend(fontsize=8, loc="upper left", ncols=2)
     colors = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868"}
-    comm.bar(range(len(plan.collectives)), [r.nbytes / GiB for r in plan.collectives],
-             color=[colors.get(r.op, "gray") for r in plan.collectives])
-    comm.set_xticks(range(len(plan.collectives)), [f"{r.op.replace('_', '-')} {r.module}" for r in plan.collectives],
-                    rotation=90, fontsize=6)
+    comm.bar(
+        range(len(plan.collectives)),
+        [r.nbytes / GiB for r in plan.collectives],
+        color=[colors.get(r.op, "gray") for r in plan.collectives],
+    )
+    comm.set_xticks(
+        range(len(plan.collectives)),
+        [f"{r.op.replace('_', '-')} {r.module}" for r in plan.collectives],
+        rotation=90,
+        fontsize=6,
+    )
     comm.set_ylabel("GiB per collective")
     totals = ", ".join(f"{op.replace('_', '-')} {n / GiB:.2f} GiB" for op, n in plan.bytes_per_step().items())
     comm.set_title(f"collectives of the step ({totals})", fontsize=10)

@@ -50,13 +50,18 @@ class Option:
     def __str__(self) -> str:
         mesh = "x".join(map(str, self.mesh_shape))
         host = f" (+{self.plan.host_peak_bytes / 2**30:.2f} host)" if self.plan.host_peak_bytes else ""
-        tail = f"peak {self.plan.peak_bytes / 2**30:6.2f} GiB{host}  {self.time}" + ("" if self.fits else "  (does not fit)")
+        tail = f"peak {self.plan.peak_bytes / 2**30:6.2f} GiB{host}  {self.time}" + (
+            "" if self.fits else "  (does not fit)"
+        )
         if self.label:
             return f"mesh {mesh:>8}  {self.label} (params {self.param_dtype})  {tail}"
         bucket = "default" if self.bucket_bytes is None else f"{self.bucket_bytes / 2**20:g} MiB"
-        return (f"mesh {mesh:>8}  reshard_after_forward={str(self.reshard_after_forward):<5}  params {self.param_dtype}  "
-                f"bucket {bucket:>8}  offload {'yes' if self.offload else 'no ':<3}  "
-                + ("int8 all-gather  " if self.int8_all_gather else "") + tail)
+        return (
+            f"mesh {mesh:>8}  reshard_after_forward={str(self.reshard_after_forward):<5}  params "
+            f"{self.param_dtype}  bucket {bucket:>8}  offload {'yes' if self.offload else 'no ':<3}  "
+            + ("int8 all-gather  " if self.int8_all_gather else "")
+            + tail
+        )
 
 
 def recommend(
@@ -96,25 +101,35 @@ def recommend(
     2-core CPU); narrow an axis to go faster."""
     if isinstance(cluster, str):
         if cluster not in PRESETS:
-            raise ValueError(f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster.")
+            raise ValueError(
+                f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster."
+            )
         cluster = PRESETS[cluster]
     unknown = [d for d in param_dtypes if d not in ("fp32", "bf16")]
     if unknown or not param_dtypes:
         raise ValueError(f"recommend(param_dtypes={tuple(param_dtypes)!r}): choose from 'fp32' and 'bf16'.")
     if not bucket_sizes or not offload or not int8_all_gather:
-        raise ValueError("recommend: bucket_sizes, offload and int8_all_gather each need at least one value "
-                         "(e.g. (None,), (False,) and (False,)).")
+        raise ValueError(
+            "recommend: bucket_sizes, offload and int8_all_gather each need at least one value (e.g. "
+            "(None,), (False,) and (False,))."
+        )
     for c in candidates:
         if not c.label or math.prod(c.mesh_shape) != world_size or c.param_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"recommend: candidate {c.label!r} has mesh {tuple(c.mesh_shape)} for world_size={world_size} "
-                             f"and param_dtype {c.param_dtype!r}. Fix: a label, a mesh of world_size ranks, 'fp32' or 'bf16'.")
+            raise ValueError(
+                f"recommend: candidate {c.label!r} has mesh {tuple(c.mesh_shape)} for "
+                f"world_size={world_size} and param_dtype {c.param_dtype!r}. Fix: a label, a mesh of "
+                "world_size ranks, 'fp32' or 'bf16'."
+            )
     node = cluster.gpus_per_node
     sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]
     layouts: list[tuple[int, ...]] = [(world_size,)]
     layouts += [(world_size // s, s) for s in sizes if 1 < s < world_size and world_size % s == 0]
     from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    policies = {"fp32": None, "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    policies = {
+        "fp32": None,
+        "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
     options = []
 
     def priced(plan: Plan, dtype: str) -> StepTime:
@@ -123,25 +138,64 @@ def recommend(
 
     for mesh in layouts:
         shard = mesh[-1]
-        reshards: list[Union[bool, int]] = [True, False] + ([node] if len(mesh) == 1 and shard > node and shard % node == 0 else [])
+        reshards: list[Union[bool, int]] = [True, False] + (
+            [node] if len(mesh) == 1 and shard > node and shard % node == 0 else []
+        )
         for reshard in reshards:
             for dtype in param_dtypes:
                 for off, int8 in itertools.product(dict.fromkeys(offload), dict.fromkeys(int8_all_gather)):
                     buckets = list(dict.fromkeys(bucket_sizes)) if reshard is True and not off else [None]
                     for bucket in buckets:
                         shard_fn = functools.partial(
-                            _shard, mp_policy=policies[dtype], reshard_after_forward=reshard,
-                            offload_policy=CPUOffloadPolicy() if off else None, bucket_bytes=bucket, int8=int8,
+                            _shard,
+                            mp_policy=policies[dtype],
+                            reshard_after_forward=reshard,
+                            offload_policy=CPUOffloadPolicy() if off else None,
+                            bucket_bytes=bucket,
+                            int8=int8,
                         )
-                        plan = simulate(build_model, sample_inputs, mesh_shape=mesh, shard_fn=shard_fn, optimizer=optimizer,
-                                        steps=steps)
-                        options.append(Option(mesh, reshard, dtype, plan, priced(plan, dtype), plan.fits(bytes_per_rank),
-                                              bucket, off, int8))
+                        plan = simulate(
+                            build_model,
+                            sample_inputs,
+                            mesh_shape=mesh,
+                            shard_fn=shard_fn,
+                            optimizer=optimizer,
+                            steps=steps,
+                        )
+                        options.append(
+                            Option(
+                                mesh,
+                                reshard,
+                                dtype,
+                                plan,
+                                priced(plan, dtype),
+                                plan.fits(bytes_per_rank),
+                                bucket,
+                                off,
+                                int8,
+                            )
+                        )
     for c in candidates:
-        plan = simulate(build_model, sample_inputs, mesh_shape=c.mesh_shape, mesh_dim_names=c.mesh_dim_names,
-                        shard_fn=c.shard_fn, optimizer=optimizer, steps=steps)
-        options.append(Option(tuple(c.mesh_shape), None, c.param_dtype, plan, priced(plan, c.param_dtype),
-                              plan.fits(bytes_per_rank), label=c.label))
+        plan = simulate(
+            build_model,
+            sample_inputs,
+            mesh_shape=c.mesh_shape,
+            mesh_dim_names=c.mesh_dim_names,
+            shard_fn=c.shard_fn,
+            optimizer=optimizer,
+            steps=steps,
+        )
+        options.append(
+            Option(
+                tuple(c.mesh_shape),
+                None,
+                c.param_dtype,
+                plan,
+                priced(plan, c.param_dtype),
+                plan.fits(bytes_per_rank),
+                label=c.label,
+            )
+        )
     fitting = sorted((o for o in options if o.fits), key=lambda o: o.time.step_s)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.plan.peak_bytes)
     return fitting + rest

@@ -36,7 +36,9 @@ class Plan:
     timeline: list[Snapshot]  # live bytes by category at each collective and phase boundary
     collectives: list[CollectiveRecord]  # every collective of the step, in issue order
     parameters: int = 0  # parameters of the model (elements)
-    module_params: dict[str, int] = field(default_factory=dict)  # per fully_shard call ("" = the root): elements
+    module_params: dict[str, int] = field(
+        default_factory=dict
+    )  # per fully_shard call ("" = the root): elements
     tokens: int = 0  # tokens in one rank's batch (for the time estimate)
     host_peak_bytes: int = 0  # the most host bytes (offloaded shards, gradients, optimizer state)
     # CPUOffloadPolicy: per fully_shard call, the bytes of this rank's offloaded (padded) shards,
@@ -46,14 +48,21 @@ class Plan:
     offloaded_elements: int = 0
     device_elements: int = 0  # this rank's sharded elements the optimizer steps on the device
 
-    def estimate(self, cluster: Any = "h100-nvlink-ib400-bf16", tokens: Optional[int] = None,
-                 flops: Optional[float] = None) -> "StepTime":
+    def estimate(
+        self,
+        cluster: Any = "h100-nvlink-ib400-bf16",
+        tokens: Optional[int] = None,
+        flops: Optional[float] = None,
+    ) -> "StepTime":
         """Step time on ``cluster`` (a `timing.Cluster` or a preset name), see `timing.estimate`."""
         from .timing import PRESETS, estimate
 
         if isinstance(cluster, str):
             if cluster not in PRESETS:
-                raise ValueError(f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster.")
+                raise ValueError(
+                    f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a "
+                    "timing.Cluster."
+                )
             cluster = PRESETS[cluster]
         return estimate(self, cluster, tokens if tokens is not None else self.tokens, flops)
 
@@ -69,6 +78,14 @@ class Plan:
 
     def fits(self, bytes_per_rank: int) -> bool:
         return self.peak_bytes <= bytes_per_rank
+
+    def _count(self, op: str) -> int:
+        """Collectives per step under ``op`` as `bytes_per_step` keys them (``dtensor_<op>``: DTensor's)."""
+        dtensor = op.startswith("dtensor_")
+        return sum(
+            op in (r.op, f"dtensor_{r.op}") and dtensor == r.phase.startswith("dtensor_")
+            for r in self.collectives
+        )
 
     def bytes_per_step(self) -> dict[str, int]:
         """Bytes each kind of collective moves per step on this rank (all-gather output,
@@ -86,44 +103,67 @@ class Plan:
             f"world {self.world_size} (mesh {self.mesh_shape}), {self.parameters / 1e9:.3f} B parameters",
             f"peak live tensor memory per rank: {self.peak_bytes / GiB:.3f} GiB"
             + (f" (and {self.host_peak_bytes / GiB:.3f} GiB on the host)" if self.host_peak_bytes else ""),
-            f"  at '{peak.label}': " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in peak.by_category.items() if v),
-            "collectives per step: " + ", ".join(
-                f"{op} x{sum(op in (r.op, f'dtensor_{r.op}') and op.startswith('dtensor_') == r.phase.startswith('dtensor_') for r in self.collectives)}"
-                f" ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
+            f"  at '{peak.label}': "
+            + ", ".join(f"{k} {v / GiB:.3f}" for k, v in peak.by_category.items() if v),
+            "collectives per step: "
+            + ", ".join(
+                f"{op} x{self._count(op)} ({n / GiB:.3f} GiB)" for op, n in self.bytes_per_step().items()
             ),
         ]
         return "\n".join(lines)
 
 
-def default_shard_fn(model: nn.Module, mesh: Any, mp_policy: Any = None, reshard_after_forward: Any = None,
-                     offload_policy: Any = None, bucket_bytes: Optional[int] = None) -> None:
+def default_shard_fn(
+    model: nn.Module,
+    mesh: Any,
+    mp_policy: Any = None,
+    reshard_after_forward: Any = None,
+    offload_policy: Any = None,
+    bucket_bytes: Optional[int] = None,
+) -> None:
     """Every block (the children of the outermost ``nn.ModuleList`` holding the most parameters,
     e.g. ``model.layers``), then the root, with these ``fully_shard`` settings (and the root's
     ``set_bucket_bytes``, when given)."""
     from ..api.sharding import fully_shard
     from ..layouts.policy import MixedPrecisionPolicy
 
-    kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward,
-              "offload_policy": offload_policy}
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": offload_policy,
+    }
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    nested = {id(inner) for outer in lists for inner in outer.modules() if inner is not outer and isinstance(inner, nn.ModuleList)}
+    nested = {
+        id(inner)
+        for outer in lists
+        for inner in outer.modules()
+        if inner is not outer and isinstance(inner, nn.ModuleList)
+    }
     outer = [m for m in lists if id(m) not in nested]  # not the experts inside each layer of an MoE
     if outer:
         for block in max(outer, key=lambda m: sum(p.numel() for p in m.parameters())):
             fully_shard(block, **kwargs)
-    root = fully_shard(model, **{**kwargs, "reshard_after_forward": None})  # the root keeps its parameters for backward
+    root = fully_shard(
+        model, **{**kwargs, "reshard_after_forward": None}
+    )  # the root keeps its parameters for backward
     if bucket_bytes is not None:
         root.set_bucket_bytes(bucket_bytes)
 
 
-def _optimizer(choice: Union[str, Callable, None], params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+def _optimizer(
+    choice: Union[str, Callable, None], params: list[nn.Parameter]
+) -> Optional[torch.optim.Optimizer]:
     if choice is None:
         return None
     if callable(choice):
         return choice(params)
     kinds = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
     if choice not in kinds:
-        raise ValueError(f"simulate(optimizer={choice!r}): use one of {sorted(kinds)}, None, or a callable params -> optimizer.")
+        raise ValueError(
+            f"simulate(optimizer={choice!r}): use one of {sorted(kinds)}, None, or a callable params -> "
+            "optimizer."
+        )
     return kinds[choice](params, lr=1e-4)
 
 
@@ -152,9 +192,9 @@ def simulate(
     """
     if dist.is_initialized():
         raise RuntimeError(
-            "fully_shard.plan.simulate runs on a fake process group of the planned size, and this process already "
-            "has a process group. Fix: call it from a process that has not called init_process_group (e.g. the "
-            "command line, or a subprocess)."
+            "fully_shard.plan.simulate runs on a fake process group of the planned size, and this process "
+            "already has a process group. Fix: call it from a process that has not called init_process_group "
+            "(e.g. the command line, or a subprocess)."
         )
     if steps < 1:
         raise ValueError(f"simulate(steps={steps}): run at least one step.")
@@ -164,18 +204,22 @@ def simulate(
     shape = tuple(int(n) for n in mesh_shape)
     if not shape or min(shape) < 1 or (shard_fn is None and len(shape) > 2):
         raise ValueError(
-            f"simulate(mesh_shape={tuple(mesh_shape)}): sizes must be positive, and without a shard_fn the mesh is 1-D "
-            "(FSDP) or 2-D (replicate, shard). Fix: for tensor-parallel (or other) dims, name them in mesh_dim_names "
-            "and pass a shard_fn that slices the mesh (e.g. parallelize_module over mesh['tp'], fully_shard over "
-            "mesh['dp'])."
+            f"simulate(mesh_shape={tuple(mesh_shape)}): sizes must be positive, and without a shard_fn the "
+            "mesh is 1-D (FSDP) or 2-D (replicate, shard). Fix: for tensor-parallel (or other) dims, name "
+            "them in mesh_dim_names and pass a shard_fn that slices the mesh (e.g. parallelize_module over "
+            "mesh['tp'], fully_shard over mesh['dp'])."
         )
     world = math.prod(shape)
     token = SIMULATING.set(True)
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
-            raise ValueError(f"simulate: {len(mesh_dim_names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}.")
-        names = tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
+            raise ValueError(
+                f"simulate: {len(mesh_dim_names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}."
+            )
+        names = (
+            tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
+        )
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         with torch.device("meta"):
             model = build_model()
@@ -186,8 +230,15 @@ def simulate(
             shard_fn(model, mesh)
         opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         with FusedAttentionOnMeta():  # attention as the devices run it (attention.py)
-            return measure(model, tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs), opt, steps=steps,
-                           loss_fn=loss_fn, mesh_shape=shape, parameters=n_params)
+            return measure(
+                model,
+                tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs),
+                opt,
+                steps=steps,
+                loss_fn=loss_fn,
+                mesh_shape=shape,
+                parameters=n_params,
+            )
     finally:
         try:
             if dist.is_initialized():
@@ -197,8 +248,13 @@ def simulate(
 
 
 def measure(
-    model: nn.Module, inputs: Any, optimizer: Optional[torch.optim.Optimizer], *, steps: int = 2,
-    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None, mesh_shape: Optional[Sequence[int]] = None,
+    model: nn.Module,
+    inputs: Any,
+    optimizer: Optional[torch.optim.Optimizer],
+    *,
+    steps: int = 2,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    mesh_shape: Optional[Sequence[int]] = None,
     parameters: Optional[int] = None,
 ) -> Plan:
     """Run ``steps`` training steps of a sharded ``model`` on this rank's ``inputs`` (forward,
@@ -207,8 +263,10 @@ def measure(
     on the model's device, the collectives it issued)."""
     root = model.__dict__.get("_fsdp_state")
     if root is None:
-        raise ValueError("plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "
-                         "fully_shard(model, mesh=mesh).")
+        raise ValueError(
+            "plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "
+            "fully_shard(model, mesh=mesh)."
+        )
     ctx = root.root_context()  # lazy init first, outside the counting modes
     with trace(dtensor=True, memory=True, optimizers=[optimizer] if optimizer is not None else []) as t:
         ctx.attach_active_observers()  # the model is counted from here
@@ -239,21 +297,33 @@ def from_trace(t: Any, step: Optional[int] = None) -> Plan:
     and peaks (since the start, or since the last ``t.memory.new_step()``) and its collectives
     (those of ``step``, or all), to draw (`draw`) or price (``Plan.estimate`` with ``tokens``)."""
     if t.memory is None:
-        raise ValueError("plan.from_trace: this trace counted no memory. Fix: open it with "
-                         "fully_shard.debug.trace(memory=True, optimizers=[optimizer]).")
+        raise ValueError(
+            "plan.from_trace: this trace counted no memory. Fix: open it with "
+            "fully_shard.debug.trace(memory=True, optimizers=[optimizer])."
+        )
     if not t.memory.states:
-        raise ValueError("plan.from_trace: no fully_shard root ran inside this trace (nothing was counted). Fix: run "
-                         "the model's forward (or unshard()) inside the `with trace(memory=True)` block.")
+        raise ValueError(
+            "plan.from_trace: no fully_shard root ran inside this trace (nothing was counted). Fix: run the "
+            "model's forward (or unshard()) inside the `with trace(memory=True)` block."
+        )
     memory, states = t.memory, t.memory.states
     shards = {s.fqn: [p for g in s.own for p in g.params if p.offload] for s in states}
     on_device = [p for s in states for g in s.own for p in g.params if not p.offload and p.requires_grad]
     return Plan(
-        memory.mesh_shape, memory.counter.peak, list(memory.counter.timeline),
+        memory.mesh_shape,
+        memory.counter.peak,
+        list(memory.counter.timeline),
         [r for r in t.records if step is None or r.step == step],
-        sum(p.numel() for p in {id(p): p for s in states for m in s.modules for p in m.parameters()}.values()),
-        {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states}, 0, memory.counter.host_peak,
+        sum(
+            p.numel() for p in {id(p): p for s in states for m in s.modules for p in m.parameters()}.values()
+        ),
+        {s.fqn: sum(p.shape.numel() for g in s.own for p in g.params) for s in states},
+        0,
+        memory.counter.host_peak,
         {m: sum(_padded_shard_bytes(p) for p in ps) for m, ps in shards.items() if ps},
-        sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps) if memory.optimizers else 0,
+        sum(_local(p.sharded_param).numel() for ps in shards.values() for p in ps)
+        if memory.optimizers
+        else 0,
         sum(_local(p.sharded_param).numel() for p in on_device) if memory.optimizers else 0,
     )
 
@@ -261,7 +331,11 @@ def from_trace(t: Any, step: Optional[int] = None) -> Plan:
 def _padded_shard_bytes(p: Any) -> int:
     """This rank's padded shard of an `FSDPParam`, in bytes (what an all-gather sends)."""
     layout = p.layout
-    return layout.rows * (layout.shape.numel() // max(layout.shape[p.shard_dim], 1)) * p.sharded_param.element_size()
+    return (
+        layout.rows
+        * (layout.shape.numel() // max(layout.shape[p.shard_dim], 1))
+        * p.sharded_param.element_size()
+    )
 
 
 def call(model: nn.Module, inputs: Any) -> Any:
@@ -275,8 +349,18 @@ def call(model: nn.Module, inputs: Any) -> Any:
 
 def _tokens(inputs: Any) -> int:
     """Tokens in a batch: an integer tensor's elements (token ids), else all but the last dim."""
-    first = inputs if isinstance(inputs, torch.Tensor) else next(
-        (v for v in (inputs.values() if isinstance(inputs, dict) else inputs) if isinstance(v, torch.Tensor)), None)
+    first = (
+        inputs
+        if isinstance(inputs, torch.Tensor)
+        else next(
+            (
+                v
+                for v in (inputs.values() if isinstance(inputs, dict) else inputs)
+                if isinstance(v, torch.Tensor)
+            ),
+            None,
+        )
+    )
     if first is None:
         return 0
     if first.is_floating_point():

@@ -78,7 +78,9 @@ class Cluster:
 
     def link(self, first_rank: int, last_rank: int) -> Link:
         """The link a group of global ranks ``first_rank .. last_rank`` crosses."""
-        return self.intra if first_rank // self.gpus_per_node == last_rank // self.gpus_per_node else self.inter
+        return (
+            self.intra if first_rank // self.gpus_per_node == last_rank // self.gpus_per_node else self.inter
+        )
 
 
 # Presets (achieved, not peak): 8 H100s per node on NVLink 4 (NCCL all-gather bus bandwidth about
@@ -92,12 +94,20 @@ class Cluster:
 PRESETS = {
     "h100-nvlink-ib400-bf16": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 400e12),
     "h100-nvlink-ib400-fp32": Cluster(8, Link(5e-6, 350e9), Link(12e-6, 45e9), 50e12),
-    "a100-nvlink-ib200-bf16": Cluster(8, Link(6e-6, 230e9), Link(15e-6, 22e9), 150e12, optimizer_elements_per_s=6e10,
-                                      memory_bytes_per_s=1.6e12),
+    "a100-nvlink-ib200-bf16": Cluster(
+        8,
+        Link(6e-6, 230e9),
+        Link(15e-6, 22e9),
+        150e12,
+        optimizer_elements_per_s=6e10,
+        memory_bytes_per_s=1.6e12,
+    ),
 }
 
 
-def collective_seconds(op: str, nbytes: int, ranks: int, cluster: Cluster, span: tuple[int, int] = (0, 0)) -> float:
+def collective_seconds(
+    op: str, nbytes: int, ranks: int, cluster: Cluster, span: tuple[int, int] = (0, 0)
+) -> float:
     """One collective of ``ranks`` ranks whose global ranks lie in ``span`` (default: within one node)."""
     if ranks <= 1:
         return 0.0
@@ -118,9 +128,11 @@ class StepTime:
 
     def __str__(self) -> str:
         host = f", host optimizer {self.host_optimizer_s * 1e3:.1f} ms" if self.host_optimizer_s else ""
-        return (f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, copies {self.copy_s * 1e3:.1f} ms, "
-                f"communication {self.communication_s * 1e3:.1f} ms, of it exposed {self.exposed_s * 1e3:.1f} ms, "
-                f"optimizer {self.optimizer_s * 1e3:.1f} ms{host})")
+        return (
+            f"step {self.step_s * 1e3:.1f} ms (compute {self.compute_s * 1e3:.1f} ms, copies "
+            f"{self.copy_s * 1e3:.1f} ms, communication {self.communication_s * 1e3:.1f} ms, of it exposed "
+            f"{self.exposed_s * 1e3:.1f} ms, optimizer {self.optimizer_s * 1e3:.1f} ms{host})"
+        )
 
 
 def _unit(module: str, units: dict[str, int]) -> str:
@@ -133,7 +145,10 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
     """The step time of ``plan`` on ``cluster`` with ``tokens`` tokens per rank per step."""
     rate = flops if flops is not None else cluster.flops
     fwd = {m: 2 * n * tokens / rate for m, n in plan.module_params.items()}
-    cost = {id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span) for r in plan.collectives}
+    cost = {
+        id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span)
+        for r in plan.collectives
+    }
     # Offloaded shards go to the device before their all-gather and come back (as gradients) after
     # their reduce-scatter, on the way of that collective.
     host_copies = 0.0
@@ -165,7 +180,11 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
     backward = [r for r in fsdp if r.phase not in ("forward", "forward_prefetch")]
     # fully_shard's own copies on the compute stream: each all-gather's copy-out (its output read
     # and written once) and each reduce-scatter's copy-in (its input likewise).
-    copies = {id(r): 2 * r.nbytes / cluster.memory_bytes_per_s for r in fsdp if r.op in ("all_gather", "reduce_scatter")}
+    copies = {
+        id(r): 2 * r.nbytes / cluster.memory_bytes_per_s
+        for r in fsdp
+        if r.op in ("all_gather", "reduce_scatter")
+    }
     # Forward: module i computes while the next all-gather runs. A module whose parameters are on
     # several meshes has an all-gather per mesh: its compute counts once.
     f_time = cost[id(forward[0])] if forward else 0.0
@@ -180,8 +199,12 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
     # communication issued while it runs (the next prefetch, the previous module's reductions).
     b_compute = 2 * sum(fwd.values()) + tp_bwd + sum(copies.get(id(r), 0.0) for r in backward)
     comm = sum(cost[id(r)] for r in backward)
-    first = cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0  # before any compute
-    last = cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0  # after it
+    first = (
+        cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0
+    )  # before any compute
+    last = (
+        cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0
+    )  # after it
     b_time = max(b_compute, comm - first - last) + first + last
     total_comm = sum(cost.values())
     step = f_time + b_time + optimizer + host_optimizer

@@ -92,7 +92,11 @@ class Bucket:
         """End of the root's forward: members gathered with another but not run in this forward
         (a skipped block) give their memory back now, as if they had run."""
         for g in self.members:
-            if (g.is_unsharded or g._all_gather is not None) and not g.forward_users and self.follows_schedule(g):
+            if (
+                (g.is_unsharded or g._all_gather is not None)
+                and not g.forward_users
+                and self.follows_schedule(g)
+            ):
                 g.reshard()
 
     # -- reduce-scatter --------------------------------------------------------------------------
@@ -104,7 +108,8 @@ class Bucket:
         issues (the waiting ones first if they cannot share a collective with these)."""
         results = []
         if self._stash and (
-            self._stash[0][0].reduction_key() != group.reduction_key() or any(g is group for g, _, _ in self._stash)
+            self._stash[0][0].reduction_key() != group.reduction_key()
+            or any(g is group for g, _, _ in self._stash)
         ):
             results += self.flush(reason)
         self._stash.append((group, params, grads))
@@ -133,7 +138,9 @@ class Bucket:
 
 
 def plan_buckets(
-    groups: Sequence[Optional[FSDPParamGroup]], budget: int, follows_schedule: Callable[[FSDPParamGroup], bool]
+    groups: Sequence[Optional[FSDPParamGroup]],
+    budget: int,
+    follows_schedule: Callable[[FSDPParamGroup], bool],
 ) -> list[Bucket]:
     """Cut ``groups`` (module order; ``None`` for a group that may not share collectives) into
     buckets of consecutive groups on one mesh and all-gather dtype whose unsharded bytes add up

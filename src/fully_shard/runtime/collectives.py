@@ -30,7 +30,11 @@ def empty_buffer(size: int, dtype: torch.dtype, device: torch.device, comm: Any)
 
 
 def all_gather_copy_in(
-    inputs: Sequence[torch.Tensor], world_size: int, rank: int, dtype: torch.dtype, device: torch.device,
+    inputs: Sequence[torch.Tensor],
+    world_size: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
     comm: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate the all-gather output (``W * S`` elements of ``dtype``, held as bytes) and copy
@@ -63,7 +67,11 @@ def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[to
 
 
 def reduce_scatter_copy_in(
-    grads: Sequence[torch.Tensor], world_size: int, slot: int, dtype: torch.dtype, device: torch.device,
+    grads: Sequence[torch.Tensor],
+    world_size: int,
+    slot: int,
+    dtype: torch.dtype,
+    device: torch.device,
     comm: Any = None,
 ) -> torch.Tensor:
     """Pad each gradient's dim 0 to a multiple of ``W`` and lay the ranks' chunks out as ``(W, S)``.
@@ -120,7 +128,12 @@ def plan_reduction(
 
 
 def reduce_scatter(
-    output: torch.Tensor, rs_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, op: Any, comm: Any = None
+    output: torch.Tensor,
+    rs_input: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool,
+    op: Any,
+    comm: Any = None,
 ) -> Optional[dist.Work]:
     if rs_input.is_complex():  # summed as (real, imag) pairs: each rank's chunk stays whole
         output, rs_input = torch.view_as_real(output).view(-1), torch.view_as_real(rs_input).view(-1)

@@ -100,7 +100,9 @@ class Releaser:
         if pending.work is None:
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=_drain, args=(self._queue,), name="fully_shard-release", daemon=True)
+            self._thread = threading.Thread(
+                target=_drain, args=(self._queue,), name="fully_shard-release", daemon=True
+            )
             self._thread.start()
         self._queue.put(pending)
 

@@ -25,6 +25,7 @@ def copy_fields(obj: T, memo: dict[int, Any], **fresh: Any) -> T:
 
 def refuse_busy(what: str, why: str) -> None:
     raise RuntimeError(
-        f"copy.deepcopy of a sharded model: {what} {why}, so its state is mid-iteration. Fix: deepcopy between "
-        "steps (after backward, or after a forward under torch.no_grad()), or call reshard() on the model first."
+        f"copy.deepcopy of a sharded model: {what} {why}, so its state is mid-iteration. Fix: deepcopy "
+        "between steps (after backward, or after a forward under torch.no_grad()), or call reshard() on the "
+        "model first."
     )

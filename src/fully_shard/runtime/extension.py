@@ -61,9 +61,10 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
         return Hooks(_bind(codec.pre_all_gather, local), _bind(codec.post_all_gather, local), True)
     if pre is None or post is None:
         raise TypeError(
-            f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} but not "
-            f"{_POST if pre else _PRE}. An all-gather extension needs both: one chooses what is gathered, the other "
-            "rebuilds the unsharded parameter from it. Fix: define the missing method (PyTorch's signatures)."
+            f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} "
+            f"but not {_POST if pre else _PRE}. An all-gather extension needs both: one chooses what is "
+            "gathered, the other rebuilds the unsharded parameter from it. Fix: define the missing method "
+            "(PyTorch's signatures)."
         )
     key = getattr(pre, "__func__", pre)
     try:
@@ -79,8 +80,8 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
     if arity not in (1, 5):
         raise TypeError(
             f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
-            f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, mp_policy). "
-            "Fix: use one of these two signatures."
+            f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, "
+            "mp_policy). Fix: use one of these two signatures."
         )
     return Hooks(pre, post, arity == 5)
 
@@ -110,8 +111,18 @@ class ExtensionState:
         return sum(_numel(s) * d.itemsize for s, d in zip(self.sizes, self.dtypes))
 
     def inputs(
-        self, hooks: Hooks, local: torch.Tensor, *, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
-        module: torch.nn.Module, mp_policy: Any, local_rows: int, rows: int, fqn: str,
+        self,
+        hooks: Hooks,
+        local: torch.Tensor,
+        *,
+        mesh: Any,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: torch.nn.Module,
+        mp_policy: Any,
+        local_rows: int,
+        rows: int,
+        fqn: str,
     ) -> list[torch.Tensor]:
         """Call the pre hook and check (pad, where allowed) what it returned."""
         if hooks.full_signature:
@@ -144,11 +155,15 @@ class ExtensionState:
         """First all-gather: the post hook builds the unsharded tensor."""
         assert self.hooks is not None
         returned = self.hooks.post(self.unflattened_outputs(), self.metadata, param_dtype)
-        if not (isinstance(returned, (tuple, list)) and len(returned) == 2 and isinstance(returned[0], torch.Tensor)):
+        if not (
+            isinstance(returned, (tuple, list))
+            and len(returned) == 2
+            and isinstance(returned[0], torch.Tensor)
+        ):
             raise TypeError(
-                f"parameter {fqn}: {_POST} (called without out=) returned {type(returned).__name__}; it must return "
-                "(unsharded_tensor, tensors_to_free). Fix: return the rebuilt tensor and the tensors whose memory "
-                "fully_shard may free at reshard."
+                f"parameter {fqn}: {_POST} (called without out=) returned {type(returned).__name__}; it must "
+                "return (unsharded_tensor, tensors_to_free). Fix: return the rebuilt tensor and the tensors "
+                "whose memory fully_shard may free at reshard."
             )
         self.to_free = tuple(returned[1])
         return returned[0]
@@ -190,9 +205,10 @@ def _pad_rows(t: torch.Tensor, local_rows: int, rows: int, fqn: str) -> torch.Te
         padded[:local_rows].copy_(t)
         return padded
     raise ValueError(
-        f"parameter {fqn}: {_PRE} returned an input of shape {tuple(t.shape)} on a rank holding {local_rows} of "
-        f"{rows} padded rows. Every rank must send the same sizes, so each input's dim 0 must be the padded row "
-        f"count {rows} (or this rank's {local_rows}, which fully_shard pads). Fix: return inputs with {rows} rows."
+        f"parameter {fqn}: {_PRE} returned an input of shape {tuple(t.shape)} on a rank holding {local_rows} "
+        f"of {rows} padded rows. Every rank must send the same sizes, so each input's dim 0 must be the "
+        f"padded row count {rows} (or this rank's {local_rows}, which fully_shard pads). Fix: return inputs "
+        f"with {rows} rows."
     )
 
 

@@ -84,7 +84,9 @@ class Step:
 Entry = Union[Step, tuple[Step, ...]]
 
 
-def step_for(table: dict[tuple[Any, Any], Entry], phase: Enum, event: Enum, name: str, *guard_args: Any) -> Step:
+def step_for(
+    table: dict[tuple[Any, Any], Entry], phase: Enum, event: Enum, name: str, *guard_args: Any
+) -> Step:
     """The step ``table`` gives for ``event`` in ``phase`` (the first whose guard holds on
     ``guard_args``); raise, naming ``name`` and both, if none."""
     entry = table.get((phase, event))

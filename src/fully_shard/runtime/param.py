@@ -106,7 +106,8 @@ class FSDPParam:
         # shard to the device first, each reduction copies the gradient back. On a CPU mesh the
         # same code runs and the copies are no-ops.
         self.offload = offload is not None
-        self.pin_memory = self.offload and offload.pin_memory and info.device.type not in ("cpu", "meta")  # type: ignore[union-attr]
+        on_host = info.device.type in ("cpu", "meta")
+        self.pin_memory = offload is not None and offload.pin_memory and not on_host
         self.shard_device = host_device(info.device) if self.offload else info.device
         self.tp: Optional[TPSpec] = None
         # All-gather extension (extension.py): a codec set by set_all_gather_codec, and the state of
@@ -161,7 +162,11 @@ class FSDPParam:
         # The unsharded buffers are resized to nothing between steps (deepcopy cannot copy such a
         # tensor); the copy makes its own at its first unshard.
         new = copy_fields(
-            self, memo, _seen_local=param._local_tensor, unsharded_param=None, ext=None,
+            self,
+            memo,
+            _seen_local=param._local_tensor,
+            unsharded_param=None,
+            ext=None,
             padded_unsharded=torch.empty(0, dtype=self.param_dtype, device=self.info.device),
         )
         register_sharded(new)
@@ -190,7 +195,9 @@ class FSDPParam:
         self.dtype = dtype
         cast = dtype.is_floating_point
         self.param_dtype = self.mp.param_dtype if cast and self.mp.param_dtype is not None else dtype
-        self.reduce_dtype = self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
+        self.reduce_dtype = (
+            self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
+        )
         if cast and self.reduce_dtype_override is not None:
             self.reduce_dtype = self.reduce_dtype_override
 
@@ -212,7 +219,11 @@ class FSDPParam:
         """New shard storage shaped ``shape`` for data like ``like``. A tensor subclass (an
         all-gather extension's weights) makes its own, so the shard stays that subclass."""
         if like.is_meta:
-            return like.new_empty(shape) if _is_subclass(like) else torch.empty(shape, dtype=self.dtype, device="meta")
+            return (
+                like.new_empty(shape)
+                if _is_subclass(like)
+                else torch.empty(shape, dtype=self.dtype, device="meta")
+            )
         if _is_subclass(like):
             return like.new_zeros(shape, device=self.shard_device)
         return torch.empty(shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
@@ -295,14 +306,21 @@ class FSDPParam:
         hooks = hooks_of(self.local_shard, self.codec, self.path)
         if hooks is not None and self.shard_dim != 0:
             raise ValueError(
-                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) and is sharded "
-                f"on dim {self.shard_dim}; extensions gather dim-0 shards. Fix: return Shard(0) (or None) for it from "
-                "shard_placement_fn."
+                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) and "
+                f"is sharded on dim {self.shard_dim}; extensions gather dim-0 shards. Fix: return Shard(0) "
+                "(or None) for it from shard_placement_fn."
             )
         # Which extension: a codec object, or the local tensor's class (its own methods). Another one
         # (or none) than the unsharded parameter was built by: drop it, start afresh.
-        source = None if hooks is None else (self.codec if self.codec is not None and not hasattr(
-            self.local_shard, "fsdp_pre_all_gather") else type(self.local_shard))
+        source = (
+            None
+            if hooks is None
+            else (
+                self.codec
+                if self.codec is not None and not hasattr(self.local_shard, "fsdp_pre_all_gather")
+                else type(self.local_shard)
+            )
+        )
         if source is not (self.ext.source if self.ext is not None else None):
             if self.unsharded_param is not None:
                 self._drop_unsharded()
@@ -319,11 +337,20 @@ class FSDPParam:
         if self.offload:  # the hooks run on the device copy, as PyTorch's do
             local = to_device(local, self.info.device, self.pin_memory)
             if local is not self.local_shard:
-                hooks = hooks_of(local, self.codec, self.path) or hooks  # methods set on the host tensor stay bound to it
+                hooks = (
+                    hooks_of(local, self.codec, self.path) or hooks
+                )  # methods set on the host tensor stay bound to it
         shape = self.shape  # under TP, the TP-local shape (what this library shards)
         inputs = self.ext.inputs(
-            hooks, local, mesh=self.info.shard_mesh, outer_size=shape, outer_stride=_contiguous_stride(shape),
-            module=self.places[0].module, mp_policy=self.mp, local_rows=self.layout.local_rows, rows=self.layout.rows,
+            hooks,
+            local,
+            mesh=self.info.shard_mesh,
+            outer_size=shape,
+            outer_stride=_contiguous_stride(shape),
+            module=self.places[0].module,
+            mp_policy=self.mp,
+            local_rows=self.layout.local_rows,
+            rows=self.layout.rows,
             fqn=self.path,
         )
         return [t.reshape(-1).view(torch.uint8) for t in inputs]
@@ -391,7 +418,9 @@ class FSDPParam:
 
     def _unsharded_view(self) -> torch.Tensor:
         tensor = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
-        return tensor.set_(self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape))
+        return tensor.set_(
+            self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape)
+        )
 
     def _ensure_unsharded_param(self) -> nn.Parameter:
         if self.unsharded_param is None:
@@ -404,12 +433,15 @@ class FSDPParam:
     def _rebuild_from_extension(self) -> nn.Parameter:
         assert self.ext is not None
         if self.unsharded_param is not None:
-            out = self.unsharded_param._local_tensor if self.tp is not None else self.unsharded_param  # type: ignore[attr-defined]
+            param = self.unsharded_param
+            out = param._local_tensor if self.tp is not None else param  # type: ignore[attr-defined]
             self.ext.rebuild_into(out, self.param_dtype)
             return self.unsharded_param
         with torch.no_grad():
             tensor = self.ext.rebuild_first(self.param_dtype, self.path)
-            tensor = torch.as_strided(tensor, self.shape, _contiguous_stride(self.shape), 0)  # drops the padding rows
+            tensor = torch.as_strided(
+                tensor, self.shape, _contiguous_stride(self.shape), 0
+            )  # drops the padding rows
         if self.tp is not None:
             tensor = self.tp.unsharded(tensor)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
@@ -456,27 +488,37 @@ class FSDPParam:
         if self.tp is not None:
             grad = self.tp.local_grad(grad)
         if grad.shape != self.shape:
-            raise RuntimeError(f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
+            raise RuntimeError(
+                f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}"
+            )
         return grad.movedim(self.shard_dim, 0) if self.shard_dim else grad.contiguous()
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
-        grad = padded_grad_shard.view(self.layout.rows, *self.layout.moved_shape[1:])[: self.layout.local_rows]
+        grad = padded_grad_shard.view(self.layout.rows, *self.layout.moved_shape[1:])[
+            : self.layout.local_rows
+        ]
         if self.shard_dim:
             grad = grad.movedim(0, self.shard_dim)
         if grad.dtype != self.dtype:
             grad = grad.to(self.dtype)
         existing = self.sharded_param.grad
-        if self.offload and (grad.device != self.shard_device or grad.is_meta):  # the gradient goes back to the host
+        if self.offload and (
+            grad.device != self.shard_device or grad.is_meta
+        ):  # the gradient goes back to the host
             with allocating():
-                host = torch.empty(grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+                host = torch.empty(
+                    grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory
+                )
             # Asynchronous only into a fresh .grad: the host waits for it before the optimizer
             # (end of backward). Adding into an existing one needs the values now.
             host.copy_(grad, non_blocking=self.pin_memory and existing is None)
             grad = host
         if existing is None:
             self.sharded_param.grad = DTensor(  # type: ignore[call-arg]
-                grad.contiguous(), self.sharded_param._spec, requires_grad=False  # type: ignore[attr-defined]
+                grad.contiguous(),
+                self.sharded_param._spec,
+                requires_grad=False,  # type: ignore[attr-defined]
             )
         else:
             existing._local_tensor.add_(grad)  # type: ignore[attr-defined]
@@ -573,14 +615,22 @@ class FSDPParam:
         owner = manager_of(new) if isinstance(new, nn.Parameter) else None
         if owner is not None and owner is not self:
             raise ValueError(
-                f"parameter '{fqn}' was assigned the parameter '{owner.path}', which another fully_shard call manages "
-                "(tying weights after fully_shard). Two groups cannot share one sharded parameter. Fix: tie the "
-                "weights before fully_shard (e.g. model.tie_weights() first); fully_shard then manages them as one."
+                f"parameter '{fqn}' was assigned the parameter '{owner.path}', which another fully_shard "
+                "call manages (tying weights after fully_shard). Two groups cannot share one sharded "
+                "parameter. Fix: tie the weights before fully_shard (e.g. model.tie_weights() first); "
+                "fully_shard then manages them as one."
             )
         if isinstance(new, DTensor):
             if new.shape == shape and new.device_mesh == mesh and tuple(new.placements) == placements:
-                return new if isinstance(new, nn.Parameter) else nn.Parameter(new, requires_grad=self.requires_grad)
-            got = f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on mesh {new.device_mesh}"
+                return (
+                    new
+                    if isinstance(new, nn.Parameter)
+                    else nn.Parameter(new, requires_grad=self.requires_grad)
+                )
+            got = (
+                f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on "
+                f"mesh {new.device_mesh}"
+            )
         elif isinstance(new, torch.Tensor) and self.tp is None and new.shape == shape:
             # A plain full tensor: keep this rank's chunk, as fully_shard itself does.
             self._set_dtype(new.dtype)
@@ -588,12 +638,16 @@ class FSDPParam:
             self.requires_grad = new.requires_grad
             return self._make_sharded_param(self._make_local_shard(new.detach()))
         else:
-            got = "nothing (it was deleted)" if new is _MISSING or new is None else f"a {type(new).__name__} of shape {tuple(getattr(new, 'shape', ()))}"
+            got = (
+                "nothing (it was deleted)"
+                if new is _MISSING or new is None
+                else f"a {type(new).__name__} of shape {tuple(getattr(new, 'shape', ()))}"
+            )
         raise ValueError(
-            f"parameter '{fqn}' was replaced after fully_shard by {got}; fully_shard manages it as {expected}. "
-            "Fix: assign a tensor of that global shape and layout (a state dict taken from a model sharded the "
-            "same way, or distribute_tensor(full, mesh, placements)), or a plain tensor of the full shape "
-            f"{tuple(shape)} (each rank keeps its chunk)."
+            f"parameter '{fqn}' was replaced after fully_shard by {got}; fully_shard manages it as "
+            f"{expected}. Fix: assign a tensor of that global shape and layout (a state dict taken from a "
+            "model sharded the same way, or distribute_tensor(full, mesh, placements)), or a plain tensor "
+            f"of the full shape {tuple(shape)} (each rank keeps its chunk)."
         )
 
     def _rehome(self, local: torch.Tensor, adopt_device: bool) -> None:
@@ -603,14 +657,23 @@ class FSDPParam:
         if local.is_meta:
             return  # meta-device init: shapes only until to_empty; unshard refuses to gather it
         if local.device != self.shard_device and not (adopt_device and self.offload):
-            where = "CPUOffloadPolicy keeps its shard on cpu" if self.offload else f"its mesh computes on {self.info.device}"
+            where = (
+                "CPUOffloadPolicy keeps its shard on cpu"
+                if self.offload
+                else f"its mesh computes on {self.info.device}"
+            )
             raise RuntimeError(
                 f"parameter {self.path} is on {local.device} after fully_shard, but {where}. Fix: move the "
                 f"module before fully_shard, or to_empty(device='{self.info.device}') a meta-initialised one "
                 "(fully_shard keeps offloaded shards on the host)."
             )
         padded = self.padded_shard
-        if padded is not None and not padded.is_meta and padded.dtype == local.dtype and _views(local, padded):
+        if (
+            padded is not None
+            and not padded.is_meta
+            and padded.dtype == local.dtype
+            and _views(local, padded)
+        ):
             return
         in_place = local.device == self.shard_device and (not self.pin_memory or local.is_pinned())
         if self.shard_dim != 0:

@@ -30,7 +30,11 @@ class SharedCollectives(Protocol):
     def gather_with(self, requester: "FSDPParamGroup", reason: Reason) -> list["FSDPParamGroup"]: ...
 
     def add_grads(
-        self, group: "FSDPParamGroup", params: list[FSDPParam], grads: list[Optional[torch.Tensor]], reason: Reason
+        self,
+        group: "FSDPParamGroup",
+        params: list[FSDPParam],
+        grads: list[Optional[torch.Tensor]],
+        reason: Reason,
     ) -> list["ReduceScatterResult"]: ...
 
 
@@ -59,11 +63,23 @@ class AllGather:
         slots = rows.shape[1] // sum(widths)  # > 1 only gathering back reshard_after_forward=int shares
         waiting = [g._all_gather is self for g in self.members]
         # Per member still waiting, per parameter: its (W, bytes) targets, or None (copy_out fills it).
-        targets = [[p.all_gather_targets() for p in g.params] if w else [] for g, w in zip(self.members, waiting)]
+        targets = [
+            [p.all_gather_targets() for p in g.params] if w else [] for g, w in zip(self.members, waiting)
+        ]
         # Extension outputs may be the unsharded parameter's own data, which autograd saved:
         # writing them must not bump the version it checks (as for the plain path's own storage).
-        ext = tuple(t for g, w in zip(self.members, waiting) if w for p in g.params if p.uses_extension
-                    for t in p.ext.outputs) if self.extended else ()  # type: ignore[union-attr]
+        ext = (
+            tuple(
+                t
+                for g, w in zip(self.members, waiting)
+                if w
+                for p in g.params
+                if p.uses_extension
+                for t in p.ext.outputs
+            )
+            if self.extended
+            else ()
+        )  # type: ignore[union-attr]
         with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
             flat = [t for ts in targets for t in ts]
             if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
@@ -175,13 +191,23 @@ class FSDPParamGroup:
         self.custom_reduce_scatter: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
-        if self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None or self.offload_events:
+        if (
+            self.sharded_state is not ShardedState.SHARDED
+            or self._all_gather is not None
+            or self.offload_events
+        ):
             refuse_busy(f"group {self.fqn or '<root>'}", "holds unsharded parameters or work in flight")
         for p in self.params:
             p.precopy(memo)
         # comm: the copy's root gives it streams at lazy init.
         return copy_fields(
-            self, memo, comm=None, bucket=None, grad_observer=None, forward_users=set(), _post_forward_shard=None
+            self,
+            memo,
+            comm=None,
+            bucket=None,
+            grad_observer=None,
+            forward_users=set(),
+            _post_forward_shard=None,
         )
 
     def refresh(self) -> None:
@@ -203,9 +229,10 @@ class FSDPParamGroup:
         on_meta = [p.path for p in self.params if p.local_shard.is_meta]
         if on_meta and not adopt_device and self.info.device.type != "meta":  # meta mesh: a simulation
             raise RuntimeError(
-                f"fully_shard group {self.fqn or '<root>'}: parameters {on_meta} are still on the meta device, so "
-                "there is nothing to compute with. Fix: after fully_shard, call model.to_empty(device=...) and then "
-                "initialise them (model.reset_parameters(), or set_model_state_dict / load_state_dict)."
+                f"fully_shard group {self.fqn or '<root>'}: parameters {on_meta} are still on the meta "
+                "device, so there is nothing to compute with. Fix: after fully_shard, call "
+                "model.to_empty(device=...) and then initialise them (model.reset_parameters(), or "
+                "set_model_state_dict / load_state_dict)."
             )
 
     def __repr__(self) -> str:
@@ -265,19 +292,34 @@ class FSDPParamGroup:
             world, rank, group = self.info.world_size, self.info.rank, self.info.group
         # inference_mode(False): a first forward under torch.inference_mode must not make the
         # buffers (kept and reused for training) inference tensors.
-        with record_function(f"FSDP::all_gather {self.fqn}"), torch.no_grad(), torch.inference_mode(False), \
-                comm.on(comm.all_gather_stream, after):
+        with (
+            record_function(f"FSDP::all_gather {self.fqn}"),
+            torch.no_grad(),
+            torch.inference_mode(False),
+            comm.on(comm.all_gather_stream, after),
+        ):
             if inputs is None:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
-            custom = self.custom_all_gather if world == self.info.world_size else None  # not for int-reshard regathers
-            ag_input, output = collectives.all_gather_copy_in(inputs, world, rank, dtype, self.info.device, custom)
+            custom = (
+                self.custom_all_gather if world == self.info.world_size else None
+            )  # not for int-reshard regathers
+            ag_input, output = collectives.all_gather_copy_in(
+                inputs, world, rank, dtype, self.info.device, custom
+            )
             c = Collective(Op.ALL_GATHER, reason, label(members), dtype, output.numel(), group)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
-            work = comm.issue(c, lambda: collectives.all_gather(
-                output, ag_input, group, comm.async_op, custom)) if world > 1 else None
+            work = (
+                comm.issue(c, lambda: collectives.all_gather(output, ag_input, group, comm.async_op, custom))
+                if world > 1
+                else None
+            )
             event = comm.record(comm.all_gather_stream)
-        gather = AllGather(Pending(work=work, event=event, keep_alive=(output,), what=c.what()), world, members,
-                           extended=dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params))
+        gather = AllGather(
+            Pending(work=work, event=event, keep_alive=(output,), what=c.what()),
+            world,
+            members,
+            extended=dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params),
+        )
         for g in members:
             g._all_gather = gather
 
@@ -311,7 +353,11 @@ class FSDPParamGroup:
         gather = self._all_gather
         if gather is None:
             return
-        with record_function(f"FSDP::all_gather_copy_out {self.fqn}"), torch.no_grad(), torch.inference_mode(False):
+        with (
+            record_function(f"FSDP::all_gather_copy_out {self.fqn}"),
+            torch.no_grad(),
+            torch.inference_mode(False),
+        ):
             gather.finish()
 
     def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[list[torch.Tensor]]]) -> None:
@@ -336,7 +382,9 @@ class FSDPParamGroup:
         if not self.is_unsharded:
             return
         for p in self.params:
-            shown, other = (p.sharded_param, p.unsharded_param) if unsharded else (p.unsharded_param, p.sharded_param)
+            shown, other = (
+                (p.sharded_param, p.unsharded_param) if unsharded else (p.unsharded_param, p.sharded_param)
+            )
             for place in p.places:
                 if place.get() is shown:  # a place the load assigned something else keeps it
                     place.set(other)
@@ -355,7 +403,9 @@ class FSDPParamGroup:
         forward whose backward never ran) or a parameter was replaced (``load_state_dict(...,
         assign=True)``): the unsharded parameters must not be used then."""
         holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
-        return holds_copy and (self._gathered_versions != self._shard_versions() or any(p.replaced() for p in self.params))
+        return holds_copy and (
+            self._gathered_versions != self._shard_versions() or any(p.replaced() for p in self.params)
+        )
 
     # -- reshard ---------------------------------------------------------------------------------
 
@@ -386,7 +436,12 @@ class FSDPParamGroup:
     # -- reduce-scatter --------------------------------------------------------------------------
 
     def post_backward(
-        self, reason: Reason = Reason.BACKWARD, *, sync: bool = True, reshard: bool = True, bucketed: bool = False
+        self,
+        reason: Reason = Reason.BACKWARD,
+        *,
+        sync: bool = True,
+        reshard: bool = True,
+        bucketed: bool = False,
     ) -> list[ReduceScatterResult]:
         """Reshard (if ``reshard``), then issue one reduce-scatter of every unsharded gradient
         backward made so far (if ``sync``; otherwise they stay on the unsharded parameters and
@@ -422,11 +477,20 @@ class FSDPParamGroup:
 
     def reduction_key(self) -> tuple[object, ...]:
         """Groups of one mesh with equal keys may share a reduce-scatter (same division, same ops)."""
-        return (self.gradient_divide_factor, self.force_sum_reduction, self.requires_all_reduce, self.reduce_unused)
+        return (
+            self.gradient_divide_factor,
+            self.force_sum_reduction,
+            self.requires_all_reduce,
+            self.reduce_unused,
+        )
 
     def communicates_plainly(self) -> bool:
         """No custom comm and no all-reduce hook: this group may share collectives (bucket.py)."""
-        return self.all_reduce_hook is None and self.custom_all_gather is None and self.custom_reduce_scatter is None
+        return (
+            self.all_reduce_hook is None
+            and self.custom_all_gather is None
+            and self.custom_reduce_scatter is None
+        )
 
     def wait_for_offloaded_grads(self) -> None:
         """Block the host until every gradient copied to it this backward has landed."""
@@ -450,10 +514,16 @@ class FSDPParamGroup:
             bucket[0].append(p)
             bucket[1].append(g)
         grads.clear()
-        return ReduceScatterResult([self._reduce_scatter_one(ps, gs, dtype, reason, name) for dtype, (ps, gs) in by_dtype.items()])
+        return ReduceScatterResult(
+            [self._reduce_scatter_one(ps, gs, dtype, reason, name) for dtype, (ps, gs) in by_dtype.items()]
+        )
 
     def _reduce_scatter_one(
-        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], dtype: torch.dtype, reason: Reason,
+        self,
+        params: list[FSDPParam],
+        grads: list[Optional[torch.Tensor]],
+        dtype: torch.dtype,
+        reason: Reason,
         name: str,
     ) -> ReduceScatterPart:
         """One reduce-scatter of ``grads`` (None: this rank has none; zeros are sent) followed by one
@@ -465,8 +535,10 @@ class FSDPParamGroup:
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = next((g.dtype for g in grads if g is not None), dtype)
-        inputs = [g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
-                  for p, g in zip(params, grads)]
+        inputs = [
+            g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
+            for p, g in zip(params, grads)
+        ]
         counted = self.reduce_unused
         if counted:
             had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
@@ -475,7 +547,9 @@ class FSDPParamGroup:
             inputs.append(had.expand(self.info.world_size, len(params)))
         slot = sum(p.shard_numel for p in params) + (len(params) if counted else 0)
         info = self.info
-        factor = info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        factor = (
+            info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+        )
         plan = collectives.plan_reduction(
             factor, dtype, info.world_size, info.data_parallel_size, info.native_avg, self.force_sum_reduction
         )
@@ -496,10 +570,20 @@ class FSDPParamGroup:
                 if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
                     output, work = rs_input, None
                 else:
-                    output = collectives.empty_buffer(slot, dtype, self.info.device, self.custom_reduce_scatter)
-                    work = comm.issue(c, lambda: collectives.reduce_scatter(
-                        output, rs_input, self.info.group, comm.async_op, plan.op, self.custom_reduce_scatter
-                    ))
+                    output = collectives.empty_buffer(
+                        slot, dtype, self.info.device, self.custom_reduce_scatter
+                    )
+                    work = comm.issue(
+                        c,
+                        lambda: collectives.reduce_scatter(
+                            output,
+                            rs_input,
+                            self.info.group,
+                            comm.async_op,
+                            plan.op,
+                            self.custom_reduce_scatter,
+                        ),
+                    )
                 pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
                 part = ReduceScatterPart(pending, output, params, plan, reason, name)
                 part.missing = missing

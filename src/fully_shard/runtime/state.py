@@ -75,11 +75,14 @@ class RootContext:
 
     def describe(self) -> list[str]:
         """What this root is doing, for the watchdog (schedule.py)."""
-        lines = [f"root {class_name(self.root.modules[0])}: iteration {self.phase.name}"
-                 + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")]
+        lines = [
+            f"root {class_name(self.root.modules[0])}: iteration {self.phase.name}"
+            + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")
+        ]
         for s in self.states:
             groups = "".join(
-                f", group {g.sharded_state.name}" + (", all-gather in flight" if g._all_gather is not None else "")
+                f", group {g.sharded_state.name}"
+                + (", all-gather in flight" if g._all_gather is not None else "")
                 for g in s.own
             )
             lines.append(f"  module '{s.fqn or '<root>'}': {s.phase.name}{groups}")
@@ -92,8 +95,8 @@ class RootContext:
         """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
         if self.pending_reduce is not None or any(b.holds_grads for b in self.buckets):
             raise RuntimeError(
-                f"fully_shard: set_bucket_bytes on {class_name(self.root.modules[0])} while gradients are being "
-                "reduced; call it between steps (after backward)."
+                f"fully_shard: set_bucket_bytes on {class_name(self.root.modules[0])} while gradients are "
+                "being reduced; call it between steps (after backward)."
             )
         owner = {id(s.group): s for s in self.states if s.group is not None}
         lent = {id(g) for s in self.states for g in s.borrowed}
@@ -150,9 +153,9 @@ class RootContext:
     def recover_and_start(self) -> None:
         warnings.warn(
             f"fully_shard: the previous backward through {class_name(self.root.modules[0])} did not finish "
-            "(it raised); resetting its state and discarding its unreduced gradients. Gradients it "
-            "had already reduced are still in .grad: call optimizer.zero_grad() before the next step "
-            "(and call reset_iter_state() yourself after catching such an exception to silence this).",
+            "(it raised); resetting its state and discarding its unreduced gradients. Gradients it had "
+            "already reduced are still in .grad: call optimizer.zero_grad() before the next step (and call "
+            "reset_iter_state() yourself after catching such an exception to silence this).",
             stacklevel=4,
         )
         self.reset_iteration()
@@ -247,12 +250,16 @@ class _PostBackwardSignal(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(fn_ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        fn_ctx: Any, state: "FSDPState", *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         fn_ctx.state = state
         return inputs
 
     @staticmethod
-    def backward(fn_ctx: Any, *grads: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        fn_ctx: Any, *grads: torch.Tensor
+    ) -> tuple[Optional[torch.Tensor], ...]:
         fn_ctx.state.post_backward_signal()
         return (None, *grads)
 
@@ -271,7 +278,9 @@ class StateSettings:
     post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
     shared_comm: Optional["SharedComm"] = None  # share_comm_ctx: roots that share streams and workers
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # read from the root's settings (bucket.py)
-    grad_finite_check: str = "env"  # read from the root's settings: "env" (FULLY_SHARD_CHECK_FINITE), "off", or a mode
+    grad_finite_check: str = (
+        "env"  # read from the root's settings: "env" (FULLY_SHARD_CHECK_FINITE), "off", or a mode
+    )
 
 
 class SharedComm:
@@ -286,8 +295,8 @@ class SharedComm:
             self.comm = CommContext(device)
         elif self.comm.device != device:
             raise RuntimeError(
-                f"share_comm_ctx: roots on {self.comm.device} and {device} cannot share streams. "
-                "Fix: share only among roots whose meshes are on the same device."
+                f"share_comm_ctx: roots on {self.comm.device} and {device} cannot share streams. Fix: share "
+                "only among roots whose meshes are on the same device."
             )
         return self.comm
 
@@ -333,7 +342,9 @@ class FSDPState:
         self.info = info
         self.mp_policy = mp_policy
         self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
-        self.reshard_after_forward: Union[bool, int] = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_forward: Union[bool, int] = (
+            True if reshard_after_forward is None else reshard_after_forward
+        )
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
@@ -347,14 +358,25 @@ class FSDPState:
         self.setup_root: Optional[Callable[[RootContext], None]] = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
-        if self.ctx is not None and (self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD):
+        if self.ctx is not None and (
+            self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD
+        ):
             refuse_busy(f"module {self.fqn or '<root>'}", "is between forward and the end of its backward")
         for group in self.groups:  # before `modules` leads deepcopy to the parameters (FSDPParam.precopy)
             for p in group.params:
                 p.precopy(memo)
         # The copy finds its own root at its first forward; an event belongs to the original's stream.
         settings = copy.deepcopy(dataclasses.replace(self.settings, post_optim_event=None), memo)
-        return copy_fields(self, memo, ctx=None, is_root=False, settings=settings, _signals_pending=0, _members_done=set(), phase=TrainingPhase.IDLE)
+        return copy_fields(
+            self,
+            memo,
+            ctx=None,
+            is_root=False,
+            settings=settings,
+            _signals_pending=0,
+            _members_done=set(),
+            phase=TrainingPhase.IDLE,
+        )
 
     # -- state dicts ------------------------------------------------------------------------------
 
@@ -410,7 +432,10 @@ class FSDPState:
         (gathered first, kept through forward), not offloaded, not tensor-parallel."""
         group = self.group
         return (
-            group is not None and len(self.own) == 1 and not self.is_root and not self.borrowed
+            group is not None
+            and len(self.own) == 1
+            and not self.is_root
+            and not self.borrowed
             and not any(p.offload or p.tp is not None for p in group.params)
         )
 
@@ -419,8 +444,11 @@ class FSDPState:
         forward and after backward, unshard in backward, implicit prefetch)."""
         s = self.settings
         return (
-            self.reshard_after_forward is True and s.reshard_after_backward and s.unshard_in_backward
-            and s.forward_prefetch is None and s.backward_prefetch is None
+            self.reshard_after_forward is True
+            and s.reshard_after_backward
+            and s.unshard_in_backward
+            and s.forward_prefetch is None
+            and s.backward_prefetch is None
             and all(g.communicates_plainly() for g in self.own)
         )
 
@@ -442,10 +470,14 @@ class FSDPState:
     # -- hooks: each reports one event; the table (MODULE, below) decides what runs ----------------
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return self.handle(ModuleEvent.RECOMPUTE if _in_backward() else ModuleEvent.FORWARD, module, args, kwargs)
+        return self.handle(
+            ModuleEvent.RECOMPUTE if _in_backward() else ModuleEvent.FORWARD, module, args, kwargs
+        )
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        return self.handle(ModuleEvent.RECOMPUTE_DONE if _in_backward() else ModuleEvent.FORWARD_DONE, module, output)
+        return self.handle(
+            ModuleEvent.RECOMPUTE_DONE if _in_backward() else ModuleEvent.FORWARD_DONE, module, output
+        )
 
     def pre_backward(self, *unused: Any) -> None:
         self.handle(ModuleEvent.PRE_BACKWARD)
@@ -470,7 +502,9 @@ class FSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
 
-    def prepare_inputs(self, args: tuple, kwargs: dict, in_backward: bool) -> tuple[tuple, dict, Optional[torch.Event]]:
+    def prepare_inputs(
+        self, args: tuple, kwargs: dict, in_backward: bool
+    ) -> tuple[tuple, dict, Optional[torch.Event]]:
         """Lazy init; the root moves the inputs to the device and reports to its iteration; inputs
         cast to the compute dtype. Returns the post-optimizer event the first all-gather waits for."""
         ctx = self.root_context()
@@ -489,8 +523,10 @@ class FSDPState:
         args, kwargs, after = self.prepare_inputs(args, kwargs, in_backward=False)
         if not self.groups:
             return args, kwargs
-        for method, targets in (("set_modules_to_forward_prefetch", self.settings.forward_prefetch),
-                                ("set_modules_to_backward_prefetch", self.settings.backward_prefetch)):
+        for method, targets in (
+            ("set_modules_to_forward_prefetch", self.settings.forward_prefetch),
+            ("set_modules_to_backward_prefetch", self.settings.backward_prefetch),
+        ):
             for target in targets or ():
                 self._check_prefetch_target(target, method)
         with record_function(f"FSDP::pre_forward {self.fqn}"):
@@ -509,7 +545,8 @@ class FSDPState:
             raise ValueError(
                 f"module '{self.fqn}' ({class_name(self.modules[0])}): {method} names a "
                 f"{class_name(target.modules[0])} that is not under the same root module, so its parameters "
-                "are gathered by another model's schedule (or never). Fix: pass sharded modules of this model."
+                "are gathered by another model's schedule (or never). Fix: pass sharded modules of this "
+                "model."
             )
 
     def unshard_for_recompute(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -621,7 +658,9 @@ class FSDPState:
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             if self.settings.unshard_in_backward:
-                self._unshard_groups(Reason.BACKWARD)  # a no-op when the previous group's backward prefetched it
+                self._unshard_groups(
+                    Reason.BACKWARD
+                )  # a no-op when the previous group's backward prefetched it
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
             implicit = ctx.backward_prefetch_target(self)
@@ -647,8 +686,12 @@ class FSDPState:
     def _post_backward(self, reason: Reason) -> None:
         bucketed = self.follows_default_schedule()
         results = [
-            r for g in self.own for r in g.post_backward(
-                reason, sync=self.settings.requires_gradient_sync, reshard=self.settings.reshard_after_backward,
+            r
+            for g in self.own
+            for r in g.post_backward(
+                reason,
+                sync=self.settings.requires_gradient_sync,
+                reshard=self.settings.reshard_after_backward,
                 bucketed=bucketed,
             )
         ]
@@ -705,8 +748,10 @@ MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
     (_P.FORWARD, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD),
     # The root's forward after a backward that raised (autograd never ran the end-of-backward
     # callback): the root's recovery resets every module, the root included, as it starts.
-    **{(p, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD, when=_S.is_root_forward)
-       for p in (_P.PRE_BACKWARD, _P.POST_BACKWARD)},
+    **{
+        (p, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD, when=_S.is_root_forward)
+        for p in (_P.PRE_BACKWARD, _P.POST_BACKWARD)
+    },
     (_P.FORWARD, _M.FORWARD_DONE): (
         Step(_P.FORWARD, _S.finish_member, when=_S.members_left),  # list form: others still run
         Step(_P.IDLE, _S.after_forward),
@@ -719,13 +764,20 @@ MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
     # A signal fires when the gradients of one forward use exist; the module reduces at the last
     # (with several uses, once for all). Without a pre-backward (its outputs reached the loss
     # only untracked) too.
-    **{(p, _M.SIGNAL): (
-        Step(p, _S.count_signal, when=_S.signals_left),
-        Step(_P.POST_BACKWARD, _S.reduce, then=_P.IDLE),
-    ) for p in (_P.IDLE, _P.PRE_BACKWARD)},
-    **{(p, _M.SIGNAL): Step(p, _S.count_signal, when=_S.signals_left) for p in (_P.FORWARD, _P.POST_BACKWARD)},
+    **{
+        (p, _M.SIGNAL): (
+            Step(p, _S.count_signal, when=_S.signals_left),
+            Step(_P.POST_BACKWARD, _S.reduce, then=_P.IDLE),
+        )
+        for p in (_P.IDLE, _P.PRE_BACKWARD)
+    },
+    **{
+        (p, _M.SIGNAL): Step(p, _S.count_signal, when=_S.signals_left) for p in (_P.FORWARD, _P.POST_BACKWARD)
+    },
     **{(p, _M.RECOMPUTE): Step(p, _S.unshard_for_recompute) for p in TrainingPhase},
     **{(p, _M.RECOMPUTE_DONE): Step(p, _S.after_recompute) for p in TrainingPhase},
-    **{(p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in TrainingPhase},
+    **{
+        (p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in TrainingPhase
+    },
     **{(p, _M.RESET): Step(_P.IDLE, _S.reset_module) for p in TrainingPhase},
 }

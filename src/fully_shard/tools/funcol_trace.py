@@ -24,8 +24,16 @@ class RecordSink(Protocol):
     """Where records go (a `fully_shard.debug.Trace`)."""
 
     def add_record(
-        self, phase: str, module: str, op: str, dtype: torch.dtype, nbytes: int, group_size: int, group_name: str,
-        *, rank_span: tuple[int, int],
+        self,
+        phase: str,
+        module: str,
+        op: str,
+        dtype: torch.dtype,
+        nbytes: int,
+        group_size: int,
+        group_name: str,
+        *,
+        rank_span: tuple[int, int],
     ) -> None: ...
 
 
@@ -91,7 +99,9 @@ class FunctionalCollectiveTrace(TorchDispatchMode):
 
     def _module(self) -> str:
         # Deepest first, then by name: ``parents`` is a set, and in backward it may hold siblings.
-        inner = max((p for p in self.modules.parents if p != "Global"), key=lambda p: (p.count("."), p), default="")
+        inner = max(
+            (p for p in self.modules.parents if p != "Global"), key=lambda p: (p.count("."), p), default=""
+        )
         return inner.partition(".")[2] or "<root>"  # drop the root's class name
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -102,5 +112,14 @@ class FunctionalCollectiveTrace(TorchDispatchMode):
             name = kwargs["group_name"] if kwargs and "group_name" in kwargs else args[-1]
             size, span = self._group(name)
             phase = "dtensor_backward" if torch._C._current_graph_task_id() != -1 else "dtensor_forward"
-            self.trace.add_record(phase, self._module(), op, _first(args[0]).dtype, nbytes(args, out), size, name, rank_span=span)
+            self.trace.add_record(
+                phase,
+                self._module(),
+                op,
+                _first(args[0]).dtype,
+                nbytes(args, out),
+                size,
+                name,
+                rank_span=span,
+            )
         return out

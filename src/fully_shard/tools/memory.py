@@ -35,7 +35,13 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from ..runtime.host import is_allocating
 
 CATEGORIES = (
-    "sharded_params", "gradients", "optimizer_state", "unsharded_params", "communication", "buffers", "activations",
+    "sharded_params",
+    "gradients",
+    "optimizer_state",
+    "unsharded_params",
+    "communication",
+    "buffers",
+    "activations",
 )
 
 
@@ -72,7 +78,9 @@ class LiveBytes(TorchDispatchMode):
         self.host_peak = 0
         self.timeline: list[Snapshot] = []
         self._orig_resize: Any = None
-        self._lock = threading.RLock()  # a collection inside a counted block may free a storage: _freed re-enters
+        self._lock = (
+            threading.RLock()
+        )  # a collection inside a counted block may free a storage: _freed re-enters
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -156,7 +164,11 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         host = self._from_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        if func in _RESIZES and isinstance(args[0], torch.Tensor) and type(args[0]) in (torch.Tensor, torch.nn.Parameter):
+        if (
+            func in _RESIZES
+            and isinstance(args[0], torch.Tensor)
+            and type(args[0]) in (torch.Tensor, torch.nn.Parameter)
+        ):
             storage = args[0].untyped_storage()
             self._resized(storage, storage.nbytes())
         tree_map_only(torch.Tensor, functools.partial(self._add, host=host), out)
@@ -224,8 +236,10 @@ class TraceMemory:
         self.states: list[Any] = []
         self.mesh_shape: tuple[int, ...] = ()
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        self.counter = LiveBytes(accelerator.type if accelerator is not None else "cpu",
-                                 lambda: engine_categories(self.states, self.optimizers))
+        self.counter = LiveBytes(
+            accelerator.type if accelerator is not None else "cpu",
+            lambda: engine_categories(self.states, self.optimizers),
+        )
 
     def attach(self, states: list[Any]) -> None:
         new = [s for s in states if all(s is not known for known in self.states)]
