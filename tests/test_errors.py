@@ -84,7 +84,7 @@ def test_control_surface_bad_input():
         for bad in (0, -2.0, float("inf"), float("nan"), True):
             with pytest.raises(ValueError, match="finite number > 0 .* got"):
                 model.set_gradient_divide_factor(bad)
-        assert all(s.group is None or s.group.gradient_divide_factor is None for s in model._fsdp_states(True))
+        assert all(s.group is None or s.group.settings.gradient_divide_factor is None for s in model._fsdp_states(True))
         with pytest.raises(ValueError, match="requires_gradient_sync must be True or False"):
             model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="torch.Event"):

@@ -20,6 +20,13 @@ from ..features.finite import FiniteCheck, NonFinite
 from ..runtime.state import FSDPState, SharedComm, fsdp_states
 
 
+def engine_state(module: nn.Module) -> Optional[FSDPState]:
+    """The runtime state of a module ``fully_shard`` (or ``replicate``) was applied to, None if it
+    was not: the way the layers built on the API (``fsdp1/``, ``plan/``) reach the engine."""
+    state = module.__dict__.get("_fsdp_state")
+    return state if isinstance(state, FSDPState) else None
+
+
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` makes the unsharded parameters usable."""
 
@@ -113,42 +120,40 @@ class FSDPModule:
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward reduces nothing; gradients accumulate unsharded until a backward
         with ``True`` reduce-scatters them once (gradient accumulation without communication)."""
+        value = _check_bool("requires_gradient_sync", requires_gradient_sync)
         for state in self._fsdp_states(recurse):
-            state.settings.requires_gradient_sync = _check_bool(
-                "requires_gradient_sync", requires_gradient_sync
-            )
+            state.update_settings(requires_gradient_sync=value)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: keep the parameters unsharded after backward, so the next micro-batch's
         forward needs no all-gather (they are re-gathered anyway once an optimizer step changed them)."""
+        value = _check_bool("reshard_after_backward", reshard_after_backward)
         for state in self._fsdp_states(recurse):
-            state.settings.reshard_after_backward = _check_bool(
-                "reshard_after_backward", reshard_after_backward
-            )
+            state.update_settings(reshard_after_backward=value)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (see `fully_shard`)."""
+        value = _check_bool("reshard_after_forward", reshard_after_forward)
         for state in self._fsdp_states(recurse):
-            state.settings.reshard_after_forward = _check_bool("reshard_after_forward", reshard_after_forward)
-            state.resolve_reshard_after_forward()
+            state.update_settings(reshard_after_forward=value)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False`` (call on the root): the coming backward is not the last before the optimizer
         step, so its end need not wait for the last reduce-scatter."""
-        self._get_fsdp_state().settings.is_last_backward = _check_bool("is_last_backward", is_last_backward)
+        self._get_fsdp_state().update_settings(
+            is_last_backward=_check_bool("is_last_backward", is_last_backward)
+        )
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters right after this module's, in its pre-forward."""
-        self._get_fsdp_state().settings.forward_prefetch = _prefetch_states(
-            "set_modules_to_forward_prefetch", modules
-        )
+        states = _prefetch_states("set_modules_to_forward_prefetch", modules)
+        self._get_fsdp_state().update_settings(forward_prefetch=tuple(states))
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """All-gather these modules' parameters in this module's pre-backward (replaces the
         implicit prefetch of the module that ran just before it in forward)."""
-        self._get_fsdp_state().settings.backward_prefetch = _prefetch_states(
-            "set_modules_to_backward_prefetch", modules
-        )
+        states = _prefetch_states("set_modules_to_backward_prefetch", modules)
+        self._get_fsdp_state().update_settings(backward_prefetch=tuple(states))
 
     def set_gradient_divide_factor(self, factor: float, *, recurse: bool = True) -> None:
         """Divide reduced gradients by ``factor`` instead of the world size (1.0: plain sum)."""
@@ -159,17 +164,15 @@ class FSDPModule:
                 "every gradient."
             )
         for state in self._fsdp_states(recurse):
-            for g in state.own:
-                g.gradient_divide_factor = float(factor)
+            state.update_settings(gradient_divide_factor=float(factor))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters within the shard group but defers the all-reduce across
         replicas; the partial sums wait on the parameters until a backward with ``True`` all-reduces
         them once (gradient accumulation with less inter-replica traffic). No effect on a 1-D mesh."""
+        value = _check_bool("requires_all_reduce", requires_all_reduce)
         for state in self._fsdp_states(recurse):
-            value = _check_bool("requires_all_reduce", requires_all_reduce)
-            for g in state.own:
-                g.requires_all_reduce = value
+            state.update_settings(requires_all_reduce=value)
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """``True``: every gradient reduction is a SUM collective, with the division done by us
@@ -179,8 +182,7 @@ class FSDPModule:
         show the choice (``CollectiveRecord.reduce_op`` / ``pre_divide`` / ``post_divide``)."""
         value = _check_bool("enable", enable)
         for state in self._fsdp_states(recurse):
-            for g in state.own:
-                g.force_sum_reduction = value
+            state.update_settings(force_sum_reduction=value)
 
     def set_bucket_bytes(self, nbytes: int) -> None:
         """Call on the root. Consecutive sharded modules under it whose unsharded parameters add up
@@ -192,7 +194,7 @@ class FSDPModule:
                 f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}."
             )
         state = self._require_root("set_bucket_bytes")
-        state.settings.bucket_bytes = nbytes
+        state.update_settings(bucket_bytes=nbytes)
         if state.ctx is not None:
             state.ctx.plan_buckets()
 
@@ -207,7 +209,7 @@ class FSDPModule:
         if mode is not None and mode not in ("raise", "report"):
             raise ValueError(f"set_grad_finite_check expects 'raise', 'report' or None (off), got {mode!r}.")
         state = self._require_root("set_grad_finite_check")
-        state.settings.grad_finite_check = "off" if mode is None else mode
+        state.update_settings(grad_finite_check="off" if mode is None else mode)
         if state.ctx is not None:
             finite.configure(state.ctx)
 
@@ -246,8 +248,7 @@ class FSDPModule:
         when every rank uses the same parameters, and bit for bit PyTorch's at any world size."""
         value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         for state in self._fsdp_states(recurse):
-            for g in state.own:
-                g.reduce_unused = value
+            state.update_settings(reduce_unused=value)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None
@@ -274,25 +275,23 @@ class FSDPModule:
                     "set_all_reduce_hook(stream=...): with HSDP the hook runs where the all-reduce ran; drop "
                     "stream."
                 )
-        for g in groups:
-            g.all_reduce_hook = hook
-            g.all_reduce_hook_stream = stream
+        state.update_settings(all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_custom_all_gather(self, comm: Any) -> None:
         """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather`` interface:
         ``comm.allocate(size, dtype=, device=)`` makes the output buffer, ``comm(output_tensor=,
         input_tensor=, group=, async_op=)`` runs the collective and returns its work or None)."""
         _check_comm("set_custom_all_gather", comm)
-        for g in self._own_groups("set_custom_all_gather"):
-            g.custom_all_gather = comm
+        self._own_groups("set_custom_all_gather")
+        self._get_fsdp_state().update_settings(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``
         interface: ``comm.allocate(...)`` makes the input and output buffers, ``comm(output_tensor=,
         input_tensor=, group=, op=, async_op=)`` runs the collective)."""
         _check_comm("set_custom_reduce_scatter", comm)
-        for g in self._own_groups("set_custom_reduce_scatter"):
-            g.custom_reduce_scatter = comm
+        self._own_groups("set_custom_reduce_scatter")
+        self._get_fsdp_state().update_settings(custom_reduce_scatter=comm)
 
     def set_all_gather_codec(
         self,
@@ -328,12 +327,12 @@ class FSDPModule:
         choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
         # (checked below: a chosen parameter sharded on another dim, or not floating point, is refused)
         prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
-        chosen: list[tuple[Any, str]] = []
+        chosen: list[tuple[Any, str, FSDPState]] = []
         for state in self._fsdp_states(recurse):
             for fp in (p for g in state.own for p in g.params):
                 name = prefix.get(id(fp.sharded_param), fp.fqn)
                 if choose(name, fp.sharded_param):
-                    chosen.append((fp, name))
+                    chosen.append((fp, name, state))
         if not chosen:
             raise ValueError(
                 f"set_all_gather_codec on {class_name(self)} chose no parameter: "
@@ -345,7 +344,7 @@ class FSDPModule:
                 + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
             )
         if codec is not None:
-            bad = [(n, fp) for fp, n in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
+            bad = [(n, fp) for fp, n, _ in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
             if bad:
                 name, fp = bad[0]
                 why = (
@@ -358,9 +357,12 @@ class FSDPModule:
                     "with params=lambda name, p: ... (the default takes every floating-point parameter of "
                     "2+ dims)."
                 )
-        for fp, _ in chosen:
-            fp.codec = codec
-        return [name for _, name in chosen]
+        for state in {id(s): s for _, _, s in chosen}.values():
+            names = {fp.fqn for fp, _, s in chosen if s is state}
+            kept = tuple((n, c) for n, c in state.settings.codecs if n not in names)
+            added = tuple((n, codec) for n in sorted(names)) if codec is not None else ()
+            state.update_settings(codecs=kept + added)
+        return [name for _, name, _ in chosen]
 
     def _own_groups(self, method: str) -> list[FSDPParamGroup]:
         """This call's groups (one per mesh), refusing a module that manages no parameters."""
@@ -372,9 +374,8 @@ class FSDPModule:
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: do not all-gather this module's parameters for backward (for modules whose
         backward does not read them, e.g. an embedding lookup)."""
-        self._get_fsdp_state().settings.unshard_in_backward = _check_bool(
-            "unshard_in_backward", unshard_in_backward
-        )
+        value = _check_bool("unshard_in_backward", unshard_in_backward)
+        self._get_fsdp_state().update_settings(unshard_in_backward=value)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accelerators: the next forward's first all-gather waits for ``event`` (recorded after
@@ -382,7 +383,7 @@ class FSDPModule:
         Ignored on CPU, where there are no streams."""
         if not isinstance(event, torch.Event):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}.")
-        self._get_fsdp_state().settings.post_optim_event = event
+        self._get_fsdp_state().post_optim_event = event
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, plus what it cannot see: gradients accumulated on the unsharded
@@ -429,7 +430,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         states.append(state)
     shared = SharedComm()
     for state in states:
-        state.settings.shared_comm = shared
+        state.shared_comm = shared
 
 
 def _check_comm(method: str, comm: Any) -> None:

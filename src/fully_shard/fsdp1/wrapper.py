@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..api.module import engine_state
 from ..api.sharding import fully_shard, replicate
 from ..api.clip import clip_grad_norm_ as _clip_grad_norm
 from ..layouts.mesh import default_device_type
@@ -250,7 +251,8 @@ class FullyShardedDataParallel(nn.Module):
     def _record_forward_order(self) -> "Optional[FullyShardedDataParallel]":
         """forward_prefetch: during the root's first forward, note the order instances run in.
         Returns the root while it records."""
-        state = self._get_fsdp_state()  # type: ignore[attr-defined]
+        state = engine_state(self)
+        assert state is not None
         root = state.ctx.root.modules[0] if state.ctx is not None else None
         if not isinstance(root, FullyShardedDataParallel) or root._fsdp1_prefetch_set:
             return None
@@ -265,7 +267,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def check_is_root(self) -> bool:
         """Whether this instance is the root (no enclosing FullyShardedDataParallel)."""
-        state = self._get_fsdp_state()  # type: ignore[attr-defined]
+        state = engine_state(self)
+        assert state is not None
         return state.is_root if state.ctx is not None else not self._fsdp1_nested
 
     @staticmethod
@@ -507,10 +510,9 @@ class FullyShardedDataParallel(nn.Module):
         for m in modules:
             m._fsdp1_comm_hook = hook
             if dtype is not None:
-                for g in m._get_fsdp_state().own:  # type: ignore[attr-defined]
-                    for p in g.params:
-                        p.reduce_dtype_override = dtype
-                        p._set_dtype(p.dtype)
+                state = engine_state(m)
+                assert state is not None
+                state.update_settings(reduce_dtype=dtype)
 
 
 def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:

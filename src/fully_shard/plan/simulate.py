@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from ..api.module import engine_state
 from ..debug import CollectiveRecord, trace
 from ..layouts.mesh import SIMULATING
 from .attention import FusedAttentionOnMeta
@@ -261,7 +262,7 @@ def measure(
     ``loss_fn(output)`` or its sum, backward, ``optimizer`` step) and return the last one as a
     `Plan`: a real run measured exactly as `simulate` measures a simulated one (live tensor bytes
     on the model's device, the collectives it issued)."""
-    root = model.__dict__.get("_fsdp_state")
+    root = engine_state(model)
     if root is None:
         raise ValueError(
             "plan: fully_shard was not applied to the model itself (the root). Fix: end shard_fn with "

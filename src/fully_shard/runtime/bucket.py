@@ -19,7 +19,7 @@ run. So the memory a bucket adds is bounded: at most one budget of unsharded par
 waiting gradients beyond one group's. At run time a member whose settings leave the default
 schedule (``reshard_after_forward`` not True, explicit prefetch, no unshard or reshard in
 backward) communicates alone, and gradients with another division or reduce op go in another
-collective (`FSDPParamGroup.reduction_key`).
+collective (`Settings.reduction_key`).
 
 Numerics: the all-gather is exact; a reduce-scatter sums each element over the ranks. With one or
 two ranks that sum has one possible value; with more, the collective's summation order for an
@@ -45,7 +45,6 @@ from .param_group import FSDPParamGroup, ReduceScatterResult, label
 # so sharing one pays; above it, bucketing saves little and costs memory. The extra memory a
 # bucket can hold is bounded by the budget, which leaves the peak of a model whose blocks are
 # bigger than 1 MiB unchanged (docs/benchmarks.md).
-DEFAULT_BUCKET_BYTES = 2**20
 
 
 @dataclass(eq=False)
@@ -108,7 +107,7 @@ class Bucket:
         issues (the waiting ones first if they cannot share a collective with these)."""
         results = []
         if self._stash and (
-            self._stash[0][0].reduction_key() != group.reduction_key()
+            self._stash[0][0].settings.reduction_key() != group.settings.reduction_key()
             or any(g is group for g, _, _ in self._stash)
         ):
             results += self.flush(reason)

@@ -58,6 +58,7 @@ from .lifecycle import ShardedState
 from ..layouts.mesh import MeshInfo
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .registry import manager_of, register_sharded
+from .settings import Settings
 from ..layouts.tp import TPSpec
 
 
@@ -66,6 +67,7 @@ class GroupView(Protocol):
 
     fqn: str
     sharded_state: ShardedState
+    settings: Settings
 
 
 @dataclass(frozen=True)
@@ -110,9 +112,8 @@ class FSDPParam:
         self.pin_memory = offload is not None and offload.pin_memory and not on_host
         self.shard_device = host_device(info.device) if self.offload else info.device
         self.tp: Optional[TPSpec] = None
-        # All-gather extension (extension.py): a codec set by set_all_gather_codec, and the state of
-        # the extension while one is in use (None: plain all-gathers so far).
-        self.codec: Any = None
+        # All-gather extension (extension.py): its state while one is in use (None: plain
+        # all-gathers so far); a codec comes from the group's settings (set_all_gather_codec).
         self.ext: Optional[ExtensionState] = None
         data = param.detach()
         if isinstance(data, DTensor):
@@ -121,9 +122,6 @@ class FSDPParam:
         # What this library shards (the TP-local shape under TP), and how: pure arithmetic.
         self.layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
         self.mp = mp
-        # A reduce dtype set apart from the policy (FSDP1's fp16/bf16 compress hooks); kept across
-        # dtype changes of the parameter.
-        self.reduce_dtype_override: Optional[torch.dtype] = None
         self._set_dtype(param.dtype)
         # Dim 0: padded rows owned here, the DTensor's local tensor a view of them (no copy-in
         # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
@@ -198,8 +196,18 @@ class FSDPParam:
         self.reduce_dtype = (
             self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
         )
-        if cast and self.reduce_dtype_override is not None:
-            self.reduce_dtype = self.reduce_dtype_override
+        override = self.group.settings.reduce_dtype if self.group is not None else None
+        if cast and override is not None:  # FSDP1's fp16/bf16 compress hooks
+            self.reduce_dtype = override
+
+    def derive_dtypes(self) -> None:
+        """Derive ``param_dtype`` / ``reduce_dtype`` again (the group's settings changed)."""
+        self._set_dtype(self.dtype)
+
+    @property
+    def codec(self) -> Any:
+        """The all-gather codec the group's settings chose for this parameter (None: none)."""
+        return self.group.settings.codec_for(self.fqn) if self.group is not None else None
 
     def add_places(self, places: list[ParamPlace]) -> None:
         """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it

@@ -22,6 +22,7 @@ from .copying import copy_fields, refuse_busy
 from ..layouts.mesh import MeshInfo, PostForwardGroup
 from .lifecycle import GROUP_STATES, ShardedState, advance
 from .param import FSDPParam
+from .settings import Settings
 
 
 class SharedCollectives(Protocol):
@@ -162,8 +163,6 @@ class FSDPParamGroup:
         self.bucket: Optional[SharedCollectives] = None
         # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
         self._gathered_versions: tuple[int, ...] = ()
-        # Reduced gradients are divided by this (None: the shard world size, i.e. an average).
-        self.gradient_divide_factor: Optional[float] = None
         # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
@@ -173,22 +172,8 @@ class FSDPParamGroup:
         # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the
         # host; `wait_for_offloaded_grads` blocks the host on them at the end of backward.
         self.offload_events: list[torch.Event] = []
-        # HSDP: False defers the all-reduce across replicas (partial sums wait on the parameters).
-        self.requires_all_reduce = True
-        # set_force_sum_reduction_for_comms: SUM collectives only, dividing ourselves (see plan_reduction).
-        self.force_sum_reduction = False
-        # set_reduce_scatter_unused_params: True (default) reduces every trainable parameter (zeros
-        # where this rank has no gradient) with used-counts; False reduces only this rank's gradients
-        # (PyTorch's default layout: fine when every rank uses the same parameters).
-        self.reduce_unused = True
-        # set_all_reduce_hook: called on each reduction's output (after the HSDP all-reduce, if any),
-        # before the division; on ``all_reduce_hook_stream`` when given (accelerators).
-        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
-        self.all_reduce_hook_stream: Optional[torch.Stream] = None
-        # set_custom_all_gather / set_custom_reduce_scatter: comm objects that allocate their buffers
-        # and run the collective (PyTorch's AllGather / ReduceScatter interface).
-        self.custom_all_gather: Any = None
-        self.custom_reduce_scatter: Any = None
+        # What the user set on the call that owns this group (its state hands it over): frozen.
+        self.settings = Settings()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
         if (
@@ -209,6 +194,12 @@ class FSDPParamGroup:
             forward_users=set(),
             _post_forward_shard=None,
         )
+
+    def derive_dtypes(self) -> None:
+        """The settings' reduce dtype changed: each parameter derives its dtypes again."""
+        for p in self.params:
+            p.derive_dtypes()
+        self.refresh()
 
     def refresh(self) -> None:
         """Re-derive what the group reads off its parameters (after one was replaced or converted)."""
@@ -301,7 +292,7 @@ class FSDPParamGroup:
             if inputs is None:
                 inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
             custom = (
-                self.custom_all_gather if world == self.info.world_size else None
+                self.settings.custom_all_gather if world == self.info.world_size else None
             )  # not for int-reshard regathers
             ag_input, output = collectives.all_gather_copy_in(
                 inputs, world, rank, dtype, self.info.device, custom
@@ -454,7 +445,7 @@ class FSDPParamGroup:
                 grad = p.take_unsharded_grad()
                 if grad is not None and self.grad_observer is not None:
                     self.grad_observer(p, grad)
-                if grad is None and self.requires_all_reduce:
+                if grad is None and self.settings.requires_all_reduce:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
                 if p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
                     if grad is not None:
@@ -462,7 +453,7 @@ class FSDPParamGroup:
                     continue
                 # Every trainable parameter takes part, with None where this rank has no gradient
                 # (zeros are sent): ranks that route differently (MoE) still agree on the layout.
-                if grad is not None or self.reduce_unused:
+                if grad is not None or self.settings.reduce_unused:
                     params.append(p)
                     grads.append(grad)
             if reshard:
@@ -474,23 +465,6 @@ class FSDPParamGroup:
             else:
                 results = [self.reduce_scatter(params, grads, reason, self.fqn)]
         return results
-
-    def reduction_key(self) -> tuple[object, ...]:
-        """Groups of one mesh with equal keys may share a reduce-scatter (same division, same ops)."""
-        return (
-            self.gradient_divide_factor,
-            self.force_sum_reduction,
-            self.requires_all_reduce,
-            self.reduce_unused,
-        )
-
-    def communicates_plainly(self) -> bool:
-        """No custom comm and no all-reduce hook: this group may share collectives (bucket.py)."""
-        return (
-            self.all_reduce_hook is None
-            and self.custom_all_gather is None
-            and self.custom_reduce_scatter is None
-        )
 
     def wait_for_offloaded_grads(self) -> None:
         """Block the host until every gradient copied to it this backward has landed."""
@@ -539,7 +513,7 @@ class FSDPParamGroup:
             g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
             for p, g in zip(params, grads)
         ]
-        counted = self.reduce_unused
+        counted = self.settings.reduce_unused
         if counted:
             had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
             for i in missing:
@@ -548,17 +522,29 @@ class FSDPParamGroup:
         slot = sum(p.shard_numel for p in params) + (len(params) if counted else 0)
         info = self.info
         factor = (
-            info.data_parallel_size if self.gradient_divide_factor is None else self.gradient_divide_factor
+            info.data_parallel_size
+            if self.settings.gradient_divide_factor is None
+            else self.settings.gradient_divide_factor
         )
         plan = collectives.plan_reduction(
-            factor, dtype, info.world_size, info.data_parallel_size, info.native_avg, self.force_sum_reduction
+            factor,
+            dtype,
+            info.world_size,
+            info.data_parallel_size,
+            info.native_avg,
+            self.settings.force_sum_reduction,
         )
         before = plan.before
         with torch.no_grad():
             # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
             # gradients were made: they can be freed right after with no cross-stream hazard.
             rs_input = collectives.reduce_scatter_copy_in(
-                inputs, self.info.world_size, slot, dtype, self.info.device, self.custom_reduce_scatter
+                inputs,
+                self.info.world_size,
+                slot,
+                dtype,
+                self.info.device,
+                self.settings.custom_reduce_scatter,
             )
             grads.clear()
             inputs.clear()
@@ -571,7 +557,7 @@ class FSDPParamGroup:
                     output, work = rs_input, None
                 else:
                     output = collectives.empty_buffer(
-                        slot, dtype, self.info.device, self.custom_reduce_scatter
+                        slot, dtype, self.info.device, self.settings.custom_reduce_scatter
                     )
                     work = comm.issue(
                         c,
@@ -581,13 +567,13 @@ class FSDPParamGroup:
                             self.info.group,
                             comm.async_op,
                             plan.op,
-                            self.custom_reduce_scatter,
+                            self.settings.custom_reduce_scatter,
                         ),
                     )
                 pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
                 part = ReduceScatterPart(pending, output, params, plan, reason, name)
                 part.missing = missing
-                if self.info.is_hsdp and self.requires_all_reduce:
+                if self.info.is_hsdp and self.settings.requires_all_reduce:
                     part.partials = [p.take_partial_reduce() for p in params]
                 # HSDP all-reduce and accumulation once it lands: stream-ordered on accelerators
                 # (no host wait), in `ReduceScatterResult.finish` on CPU.
@@ -601,7 +587,7 @@ class FSDPParamGroup:
         backward's partial sum for later when the all-reduce is deferred. Then accumulate."""
         if self.info.is_hsdp and self.info.replicate_size > 1:
             assert self.info.replicate_group is not None
-            if not self.requires_all_reduce:
+            if not self.settings.requires_all_reduce:
                 for (p, reduced), used in zip(part.slices(), part.used()):
                     if used:
                         p.add_partial_reduce(reduced)
@@ -613,20 +599,20 @@ class FSDPParamGroup:
             group = self.info.replicate_group
             c = Collective(Op.ALL_REDUCE, part.reason, part.name, part.output.dtype, nbytes, group, part.plan)
             self._comm().issue(c, lambda: collectives.all_reduce(part.output, group, part.plan.all_reduce_op))
-        if self.all_reduce_hook is not None:
+        if self.settings.all_reduce_hook is not None:
             self._run_all_reduce_hook(part.output)
         self._accumulate(part)
 
     def _run_all_reduce_hook(self, output: torch.Tensor) -> None:
-        stream = self.all_reduce_hook_stream
+        stream = self.settings.all_reduce_hook_stream
         if stream is None:
-            assert self.all_reduce_hook is not None
-            self.all_reduce_hook(output)
+            assert self.settings.all_reduce_hook is not None
+            self.settings.all_reduce_hook(output)
             return
         current = torch.accelerator.current_stream(self.info.device)
         stream.wait_stream(current)
         with stream:
-            self.all_reduce_hook(output)  # type: ignore[misc]
+            self.settings.all_reduce_hook(output)  # type: ignore[misc]
         current.wait_stream(stream)
 
     def _accumulate(self, part: ReduceScatterPart) -> None:

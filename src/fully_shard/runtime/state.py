@@ -19,7 +19,6 @@ The root's iteration is a state machine (lifecycle.ITERATION): hooks report an `
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import warnings
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -30,16 +29,16 @@ from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from dataclasses import dataclass
 
 from . import watchdog
-from .bucket import DEFAULT_BUCKET_BYTES, Bucket, plan_buckets
+from .bucket import Bucket, plan_buckets
 from .collective import ACTIVE_OBSERVERS, CollectiveObserver, Reason
 from .comm import CommContext
 from .copying import copy_fields, refuse_busy
 from ..layouts.mesh import MeshInfo, PostForwardGroup, post_forward_groups
 from ..layouts.policy import MixedPrecisionPolicy
 from .registry import class_name
+from .settings import Settings
 from .lifecycle import Entry, Event, IterationPhase, ModuleEvent, Step, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
 
@@ -264,25 +263,6 @@ class _PostBackwardSignal(torch.autograd.Function):
         return (None, *grads)
 
 
-@dataclass
-class StateSettings:
-    """What the user set on one ``fully_shard`` module (``FSDPModule.set_*``)."""
-
-    reshard_after_forward: Union[bool, int, None] = None  # None: True, except for the root
-    reshard_after_backward: bool = True
-    requires_gradient_sync: bool = True
-    unshard_in_backward: bool = True
-    is_last_backward: bool = True  # read from the root's settings
-    forward_prefetch: Optional[list["FSDPState"]] = None  # None: no forward prefetch
-    backward_prefetch: Optional[list["FSDPState"]] = None  # None: implicit (reverse forward order)
-    post_optim_event: Optional[torch.Event] = None  # read from the root's settings, used once
-    shared_comm: Optional["SharedComm"] = None  # share_comm_ctx: roots that share streams and workers
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # read from the root's settings (bucket.py)
-    grad_finite_check: str = (
-        "env"  # read from the root's settings: "env" (FULLY_SHARD_CHECK_FINITE), "off", or a mode
-    )
-
-
 class SharedComm:
     """`share_comm_ctx`: one `CommContext` (streams, release worker, traces) for several roots,
     e.g. the pipeline stages one rank runs; made by the first root that starts."""
@@ -341,7 +321,13 @@ class FSDPState:
         self.groups = self.own + self.borrowed
         self.info = info
         self.mp_policy = mp_policy
-        self.settings = StateSettings(reshard_after_forward=reshard_after_forward)
+        self.settings = Settings(reshard_after_forward=reshard_after_forward)
+        for g in self.own:
+            g.settings = self.settings
+        # set_post_optim_event: the root's first all-gather of the next forward waits for it (once).
+        self.post_optim_event: Optional[torch.Event] = None
+        # share_comm_ctx: roots that share one CommContext (streams, release worker, traces).
+        self.shared_comm: Optional[SharedComm] = None
         self.reshard_after_forward: Union[bool, int] = (
             True if reshard_after_forward is None else reshard_after_forward
         )
@@ -366,13 +352,12 @@ class FSDPState:
             for p in group.params:
                 p.precopy(memo)
         # The copy finds its own root at its first forward; an event belongs to the original's stream.
-        settings = copy.deepcopy(dataclasses.replace(self.settings, post_optim_event=None), memo)
         return copy_fields(
             self,
             memo,
             ctx=None,
             is_root=False,
-            settings=settings,
+            post_optim_event=None,
             _signals_pending=0,
             _members_done=set(),
             phase=TrainingPhase.IDLE,
@@ -406,7 +391,7 @@ class FSDPState:
                 f"fully_shard modules under one root use meshes on different devices {sorted(device_types)}; "
                 "give every fully_shard call a mesh on the same device type."
             )
-        shared = self.settings.shared_comm
+        shared = self.shared_comm
         comm = shared.get(self.info.device) if shared is not None else CommContext(self.info.device)
         ctx = RootContext(self, states, comm)
         for state in states:
@@ -426,6 +411,18 @@ class FSDPState:
             if _is_int_setting(self.reshard_after_forward):
                 g.post_forward = ctx.post_forward_group(g.info, int(self.reshard_after_forward))
             g.fqn = fqn
+
+    def update_settings(self, **changes: Any) -> None:
+        """Replace this call's settings (``FSDPModule.set_*``): one new frozen value, handed to its
+        own groups too. A new reduce dtype re-derives each parameter's."""
+        before = self.settings
+        self.settings = dataclasses.replace(before, **changes)
+        for g in self.own:
+            g.settings = self.settings
+            if self.settings.reduce_dtype != before.reduce_dtype:
+                g.derive_dtypes()
+        if "reshard_after_forward" in changes:
+            self.resolve_reshard_after_forward()
 
     def may_share_collectives(self) -> bool:
         """Whether this module's group may join a bucket at all (see bucket.py): not the root's
@@ -449,7 +446,7 @@ class FSDPState:
             and s.unshard_in_backward
             and s.forward_prefetch is None
             and s.backward_prefetch is None
-            and all(g.communicates_plainly() for g in self.own)
+            and all(g.settings.communicates_plainly() for g in self.own)
         )
 
     def resolve_reshard_after_forward(self) -> None:
@@ -513,7 +510,7 @@ class FSDPState:
             args, kwargs = self._move_inputs(args, kwargs)
             ctx.handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
             if not in_backward:  # accelerators: the first all-gather waits only for the optimizer step
-                after, self.settings.post_optim_event = self.settings.post_optim_event, None
+                after, self.post_optim_event = self.post_optim_event, None
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
