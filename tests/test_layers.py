@@ -126,3 +126,36 @@ def test_no_line_over_110_characters_in_src() -> None:
         if len(line) > 110
     ]
     assert not long, long
+
+
+def _runtime_private_names() -> set[str]:
+    """Names of private attributes and methods of the runtime's classes."""
+    names = set()
+    for path in (SRC / "runtime").rglob("*.py"):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef):
+                    names.add(node.name)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.add(node.target.id)  # dataclass fields
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    if isinstance(node.value, ast.Name) and node.value.id == "self":  # not torch's
+                        names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_nothing_above_the_runtime_reads_its_private_fields() -> None:
+    """Features, the API and tools use the runtime's documented methods (e.g. `live_buffers`,
+    `update_settings`), never its private attributes or methods."""
+    private = _runtime_private_names()
+    assert {"_all_gather", "_stash", "_post_forward_shard", "_set_dtype"} <= private  # the scan sees them
+    reads = [
+        f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}"
+        for path in SRC.rglob("*.py")
+        if "runtime" not in path.relative_to(SRC).parts
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in private
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+    assert not reads, reads

@@ -127,6 +127,10 @@ class Bucket:
         self._stash.clear()
         return [groups[0].reduce_scatter(params, grads, reason, label(groups))]
 
+    def waiting_grads(self) -> list[torch.Tensor]:
+        """The gradients held for the bucket's next reduce-scatter (every member's)."""
+        return [t for _, _, grads in self._stash for t in grads if t is not None]
+
     def discard(self) -> None:
         """Drop the waiting gradients (a failed iteration: `RootContext.reset`)."""
         self._stash.clear()

@@ -85,17 +85,23 @@ Entry = Union[Step, tuple[Step, ...]]
 
 
 def step_for(
-    table: dict[tuple[Any, Any], Entry], phase: Enum, event: Enum, name: str, *guard_args: Any
+    table: dict[tuple[Any, Any], Entry],
+    phase: Enum,
+    event: Enum,
+    name: Union[str, Callable[[], str]],
+    *guard_args: Any,
 ) -> Step:
     """The step ``table`` gives for ``event`` in ``phase`` (the first whose guard holds on
-    ``guard_args``); raise, naming ``name`` and both, if none."""
+    ``guard_args``); raise, naming ``name`` and both, if none. ``name`` may be a callable, called
+    only then (the hot path formats no name)."""
     entry = table.get((phase, event))
     for step in (entry,) if isinstance(entry, Step) else entry or ():
         if step.when is None or step.when(*guard_args):
             return step
     raise RuntimeError(
-        f"fully_shard {name}: {event.name} is not expected while in {phase.name}; this is a bug in "
-        "fully_shard, please report it with the trace (fully_shard.debug.trace())."
+        f"fully_shard {name() if callable(name) else name}: {event.name} is not expected while in "
+        f"{phase.name}; this is a bug in fully_shard, please report it with the trace "
+        "(fully_shard.debug.trace())."
     )
 
 

@@ -136,6 +136,20 @@ class FSDPParam:
         for place in places:
             place.set(self.sharded_param)
 
+    def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
+        """The tensors this parameter holds, each with its category (`fully_shard.plan.CATEGORIES`):
+        its unsharded storage and extension outputs, its shard, its gradients (sharded, unsharded,
+        a deferred HSDP sum). Part of the engine interface the tools read (tools/memory.py)."""
+        out: list[tuple[str, Optional[torch.Tensor]]] = [("unsharded_params", self.padded_unsharded)]
+        if self.ext is not None:
+            out += [("unsharded_params", t) for t in self.ext.outputs]
+        shard = self.padded_shard if self.padded_shard is not None else self.local_shard
+        out += [("sharded_params", shard), ("gradients", self.sharded_param.grad)]
+        out.append(("gradients", self.partial_reduce))
+        if self.unsharded_param is not None:
+            out.append(("gradients", self.unsharded_param.grad))
+        return out
+
     def precopy(self, memo: dict[int, Any]) -> None:
         """Deepcopy, first step: copy the sharded parameter (and its padded storage) into ``memo``
         before anything leads deepcopy to the modules holding it. Tensor.__deepcopy__ cannot copy

@@ -30,6 +30,8 @@ class SharedCollectives(Protocol):
 
     def gather_with(self, requester: "FSDPParamGroup", reason: Reason) -> list["FSDPParamGroup"]: ...
 
+    def waiting_grads(self) -> list[torch.Tensor]: ...
+
     def add_grads(
         self,
         group: "FSDPParamGroup",
@@ -465,6 +467,18 @@ class FSDPParamGroup:
             else:
                 results = [self.reduce_scatter(params, grads, reason, self.fqn)]
         return results
+
+    def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
+        """The tensors this group holds, with their categories: its ``reshard_after_forward=int``
+        share, gradients waiting in its bucket, an all-gather in flight, then each parameter's."""
+        out: list[tuple[str, Optional[torch.Tensor]]] = [("unsharded_params", self._post_forward_shard)]
+        if self.bucket is not None:
+            out += [("gradients", t) for t in self.bucket.waiting_grads()]
+        if self._all_gather is not None:
+            out += [("communication", t) for t in self._all_gather.pending.keep_alive]
+        for p in self.params:
+            out += p.live_buffers()
+        return out
 
     def wait_for_offloaded_grads(self) -> None:
         """Block the host until every gradient copied to it this backward has landed."""

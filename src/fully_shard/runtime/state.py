@@ -72,6 +72,20 @@ class RootContext:
         # last backward before the step; set by the check itself.
         self.gradient_check: Optional[GradientCheck] = None
 
+    def name(self) -> str:
+        """How errors name this root."""
+        return f"root {class_name(self.root.modules[0])}"
+
+    def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
+        """The reduction in flight's input and output ("communication")."""
+        if self.pending_reduce is None:
+            return []
+        return [
+            ("communication", t)
+            for part in self.pending_reduce.parts
+            for t in (*part.pending.keep_alive, part.output)
+        ]
+
     def describe(self) -> list[str]:
         """What this root is doing, for the watchdog (schedule.py)."""
         lines = [
@@ -117,7 +131,7 @@ class RootContext:
     # -- the iteration's lifecycle: hooks report events, the table (ITERATION, below) decides ----
 
     def handle(self, event: Event) -> None:
-        step = step_for(ITERATION, self.phase, event, f"root {class_name(self.root.modules[0])}")
+        step = step_for(ITERATION, self.phase, event, self.name)
         self.phase = step.to
         try:
             if step.action is not None:
@@ -412,6 +426,23 @@ class FSDPState:
                 g.post_forward = ctx.post_forward_group(g.info, int(self.reshard_after_forward))
             g.fqn = fqn
 
+    def name(self) -> str:
+        """How errors name this module."""
+        return f"module {self.fqn or '<root>'}"
+
+    def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
+        """What the engine holds for this call, with categories (`fully_shard.plan.CATEGORIES`):
+        its modules' buffers, its own groups' tensors, and its root's reduction in flight. The one
+        way tools (tools/memory.py) see the engine's memory."""
+        out: list[tuple[str, Optional[torch.Tensor]]] = [
+            ("buffers", b) for m in self.modules for b in m.buffers()
+        ]
+        for g in self.own:
+            out += g.live_buffers()
+        if self.ctx is not None:
+            out += self.ctx.live_buffers()
+        return out
+
     def update_settings(self, **changes: Any) -> None:
         """Replace this call's settings (``FSDPModule.set_*``): one new frozen value, handed to its
         own groups too. A new reduce dtype re-derives each parameter's."""
@@ -490,7 +521,7 @@ class FSDPState:
         self.handle(ModuleEvent.RESET)
 
     def handle(self, event: ModuleEvent, *payload: Any) -> Any:
-        step = step_for(MODULE, self.phase, event, f"module {self.fqn or '<root>'}", self, *payload)
+        step = step_for(MODULE, self.phase, event, self.name, self, *payload)
         self.phase = step.to
         result = step.action(self, *payload) if step.action is not None else None
         if step.then is not None:

@@ -279,32 +279,6 @@ def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]
             for v in entry.values():
                 put(v, "optimizer_state")
     for state in states:
-        for module in state.modules:
-            for b in module.buffers():
-                put(b, "buffers")
-        for group in state.own:
-            put(group._post_forward_shard, "unsharded_params")
-            if group.bucket is not None:
-                for _, _, grads in group.bucket._stash:
-                    for g in grads:
-                        put(g, "gradients")
-            gather = group._all_gather
-            if gather is not None:
-                for t in gather.pending.keep_alive:
-                    put(t, "communication")
-            for p in group.params:
-                put(p.padded_unsharded, "unsharded_params")
-                if p.ext is not None:
-                    for t in p.ext.outputs:
-                        put(t, "unsharded_params")
-                put(p.padded_shard if p.padded_shard is not None else p.local_shard, "sharded_params")
-                put(p.sharded_param.grad, "gradients")
-                put(p.partial_reduce, "gradients")
-                if p.unsharded_param is not None:
-                    put(p.unsharded_param.grad, "gradients")
-        ctx = state.ctx
-        if ctx is not None and ctx.pending_reduce is not None:
-            for part in ctx.pending_reduce.parts:
-                for t in (*part.pending.keep_alive, part.output):
-                    put(t, "communication")
+        for category, t in state.live_buffers():
+            put(t, category)
     return out
