@@ -87,6 +87,52 @@ class ParamPlace:
         self.module._parameters[self.name] = tensor  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where one parameter's shard lives and how it is laid out (fixed at construction)."""
+
+    info: MeshInfo
+    layout: ShardLayout  # what this library shards (the TP-local shape under TP): pure arithmetic
+    tp: Optional[TPSpec]
+    # CPUOffloadPolicy: the shard and its .grad live on the host; each all-gather copies the shard
+    # to the device first, each reduction copies the gradient back. On a CPU mesh the same code
+    # runs and the copies are no-ops.
+    offload: bool
+    pin_memory: bool
+    shard_device: torch.device
+
+    @staticmethod
+    def of(
+        info: MeshInfo, layout: ShardLayout, tp: Optional[TPSpec], offload: Optional[CPUOffloadPolicy]
+    ) -> "Where":
+        pin = offload is not None and offload.pin_memory and info.device.type not in ("cpu", "meta")
+        device = host_device(info.device) if offload is not None else info.device
+        return Where(info, layout, tp, offload is not None, pin, device)
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The original dtype (the shard's, the optimizer's, the sharded .grad's) and, from it and the
+    policy (and a reduce dtype the settings may fix), the dtype it is all-gathered and computed in
+    and the one gradients are reduced in."""
+
+    policy: MixedPrecisionPolicy
+    orig: torch.dtype
+    param: torch.dtype
+    reduce: torch.dtype
+
+    @staticmethod
+    def derive(
+        dtype: torch.dtype, mp: MixedPrecisionPolicy, reduce_override: Optional[torch.dtype]
+    ) -> "Dtypes":
+        cast = dtype.is_floating_point
+        param = mp.param_dtype if cast and mp.param_dtype is not None else dtype
+        reduce = mp.reduce_dtype if cast and mp.reduce_dtype is not None else param
+        if cast and reduce_override is not None:  # FSDP1's fp16/bf16 compress hooks
+            reduce = reduce_override
+        return Dtypes(mp, dtype, param, reduce)
+
+
 class FSDPParam:
     """Owns one managed parameter: its shard, its unsharded form and the swap between them."""
 
@@ -100,29 +146,19 @@ class FSDPParam:
         offload: Optional[CPUOffloadPolicy] = None,
     ) -> None:
         self.places = places
-        self.fqn = places[0].fqn
         self.group: Optional[GroupView] = None  # set by the group that owns it
-        self.info = info
         self.requires_grad = param.requires_grad
-        # CPUOffloadPolicy: the shard and its .grad live on the host; each all-gather copies the
-        # shard to the device first, each reduction copies the gradient back. On a CPU mesh the
-        # same code runs and the copies are no-ops.
-        self.offload = offload is not None
-        on_host = info.device.type in ("cpu", "meta")
-        self.pin_memory = offload is not None and offload.pin_memory and not on_host
-        self.shard_device = host_device(info.device) if self.offload else info.device
-        self.tp: Optional[TPSpec] = None
         # All-gather extension (extension.py): its state while one is in use (None: plain
         # all-gathers so far); a codec comes from the group's settings (set_all_gather_codec).
         self.ext: Optional[ExtensionState] = None
         data = param.detach()
+        tp = TPSpec.of(data) if isinstance(data, DTensor) else None
         if isinstance(data, DTensor):
-            self.tp = TPSpec.of(data)
             data = data.to_local()
-        # What this library shards (the TP-local shape under TP), and how: pure arithmetic.
-        self.layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
-        self.mp = mp
-        self._set_dtype(param.dtype)
+        self.where = Where.of(
+            info, ShardLayout(data.shape, shard_dim, info.world_size, info.rank), tp, offload
+        )
+        self.dtypes = Dtypes.derive(param.dtype, mp, None)
         # Dim 0: padded rows owned here, the DTensor's local tensor a view of them (no copy-in
         # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
         self.padded_shard: Optional[torch.Tensor] = None
@@ -202,17 +238,22 @@ class FSDPParam:
         return self._path(self.fqn)
 
     def _set_dtype(self, dtype: torch.dtype) -> None:
-        """The original dtype (the shard's, the optimizer's, the sharded .grad's) and, from it and
-        the policy, the dtype it is all-gathered and computed in and the one gradients reduce in."""
-        self.dtype = dtype
-        cast = dtype.is_floating_point
-        self.param_dtype = self.mp.param_dtype if cast and self.mp.param_dtype is not None else dtype
-        self.reduce_dtype = (
-            self.mp.reduce_dtype if cast and self.mp.reduce_dtype is not None else self.param_dtype
-        )
+        """A new original dtype: derive the others from it, the policy and the settings."""
         override = self.group.settings.reduce_dtype if self.group is not None else None
-        if cast and override is not None:  # FSDP1's fp16/bf16 compress hooks
-            self.reduce_dtype = override
+        self.dtypes = Dtypes.derive(dtype, self.dtypes.policy, override)
+
+    # What the parameter is, as the rest of the runtime reads it (the two values above).
+    fqn = property(lambda self: self.places[0].fqn, doc="Its name relative to the fully_shard call's module.")
+    info = property(lambda self: self.where.info)
+    layout = property(lambda self: self.where.layout)
+    tp = property(lambda self: self.where.tp)
+    offload = property(lambda self: self.where.offload)
+    pin_memory = property(lambda self: self.where.pin_memory)
+    shard_device = property(lambda self: self.where.shard_device)
+    mp = property(lambda self: self.dtypes.policy)
+    dtype = property(lambda self: self.dtypes.orig)
+    param_dtype = property(lambda self: self.dtypes.param)
+    reduce_dtype = property(lambda self: self.dtypes.reduce)
 
     def derive_dtypes(self) -> None:
         """Derive ``param_dtype`` / ``reduce_dtype`` again (the group's settings changed)."""

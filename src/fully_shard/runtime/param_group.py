@@ -46,6 +46,19 @@ def label(groups: Sequence["FSDPParamGroup"]) -> str:
     return "+".join(g.fqn or "<root>" for g in groups)
 
 
+@dataclass(frozen=True)
+class _GatherPlan:
+    """One all-gather about to be issued: the groups that share it, their inputs (None: read on
+    the all-gather stream), the dtype moved, and the ranks it spans."""
+
+    members: list["FSDPParamGroup"]
+    inputs: Optional[list[torch.Tensor]]
+    dtype: torch.dtype
+    world: int
+    rank: int
+    group: Any
+
+
 @dataclass(eq=False)
 class AllGather:
     """One all-gather in flight, for one group or for several that share it (a bucket): each
@@ -62,42 +75,46 @@ class AllGather:
         self.pending.wait()
         rows = self.pending.keep_alive[0].view(self.world, -1)
         self.pending.keep_alive = ()
-        widths = [g.row_bytes() for g in self.members]
-        slots = rows.shape[1] // sum(widths)  # > 1 only gathering back reshard_after_forward=int shares
-        waiting = [g._all_gather is self for g in self.members]
+        waiting = [g for g in self.members if g._all_gather is self]
         # Per member still waiting, per parameter: its (W, bytes) targets, or None (copy_out fills it).
-        targets = [
-            [p.all_gather_targets() for p in g.params] if w else [] for g, w in zip(self.members, waiting)
-        ]
+        targets = {id(g): [p.all_gather_targets() for p in g.params] for g in waiting}
         # Extension outputs may be the unsharded parameter's own data, which autograd saved:
         # writing them must not bump the version it checks (as for the plain path's own storage).
-        ext = (
-            tuple(
-                t
-                for g, w in zip(self.members, waiting)
-                if w
-                for p in g.params
-                if p.uses_extension
-                for t in p.ext.outputs
-            )
-            if self.extended
-            else ()
-        )  # type: ignore[union-attr]
+        ext = self._extension_outputs(waiting)
         with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
-            flat = [t for ts in targets for t in ts]
-            if slots == 1 and all(waiting) and all(t is not None for t in flat):  # the common case: one copy
-                outs = [o for t in flat for o in t]  # type: ignore[union-attr]
-                collectives.all_gather_copy_out(rows, self.world, outs)
-            else:
-                offset = 0
-                for g, width, w, ts in zip(self.members, widths, waiting, targets):
-                    if w:
-                        g._copy_out(rows[:, offset : offset + slots * width], slots, ts)
-                    offset += slots * width
-        for g, w in zip(self.members, waiting):
-            if w:
-                g._all_gather = None
-                g._mark_unsharded()
+            self._copy_out(rows, waiting, targets)
+        for g in waiting:
+            g._all_gather = None
+            g._mark_unsharded()
+
+    def _extension_outputs(self, waiting: list["FSDPParamGroup"]) -> tuple[torch.Tensor, ...]:
+        if not self.extended:
+            return ()
+        return tuple(
+            t
+            for g in waiting
+            for p in g.params
+            if p.ext is not None and p.uses_extension
+            for t in p.ext.outputs
+        )
+
+    def _copy_out(
+        self, rows: torch.Tensor, waiting: list["FSDPParamGroup"], targets: dict[int, list[Any]]
+    ) -> None:
+        """One copy when every member waits and every target is a plain (W, bytes) view (the common
+        case); else member by member (``slots`` > 1 only gathering back reshard_after_forward=int
+        shares)."""
+        widths = [g.row_bytes() for g in self.members]
+        slots = rows.shape[1] // sum(widths)
+        flat = [t for ts in targets.values() for t in ts]
+        if slots == 1 and len(waiting) == len(self.members) and all(t is not None for t in flat):
+            collectives.all_gather_copy_out(rows, self.world, [o for t in flat for o in t])
+            return
+        offset = 0
+        for g, width in zip(self.members, widths):
+            if id(g) in targets:
+                g._copy_out(rows[:, offset : offset + slots * width], slots, targets[id(g)])
+            offset += slots * width
 
 
 @dataclass
@@ -264,25 +281,34 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.SHARDED:
             with torch.no_grad():
                 self.sync_params()
-        comm = self._comm()
-        members = [self]
+        self._issue_gather(self._plan_gather(reason), reason, after)
+
+    def _plan_gather(self, reason: Reason) -> "_GatherPlan":
+        """Who gathers with this group, over which ranks, in which dtype."""
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             # Gather back from the smaller group's shares; they came from the last full gather,
             # so the gathered versions stay those of that gather.
             assert self.post_forward is not None and self._post_forward_shard is not None
-            inputs, dtype = [self._post_forward_shard], torch.uint8
-            world, rank, group = self.post_forward.size, self.post_forward.rank, self.post_forward.group
-        else:
-            if self.bucket is not None and reason.hook_driven:
-                members = self.bucket.gather_with(self, reason)
-            extended = False
-            for g in members:
-                g._gathered_versions = g._shard_versions()
-                extended |= g.resolve_extensions()
-            # Extensions choose their inputs' dtypes: one byte all-gather carries them all.
-            dtype = torch.uint8 if extended else self.all_gather_dtype
-            inputs = None  # read on the all-gather stream: offloaded shards are copied to the device there
-            world, rank, group = self.info.world_size, self.info.rank, self.info.group
+            pf = self.post_forward
+            return _GatherPlan([self], [self._post_forward_shard], torch.uint8, pf.size, pf.rank, pf.group)
+        members = (
+            self.bucket.gather_with(self, reason)
+            if self.bucket is not None and reason.hook_driven
+            else [self]
+        )
+        extended = False
+        for g in members:
+            g._gathered_versions = g._shard_versions()
+            extended |= g.resolve_extensions()
+        # Extensions choose their inputs' dtypes: one byte all-gather carries them all. The inputs
+        # are read on the all-gather stream: offloaded shards are copied to the device there.
+        dtype = torch.uint8 if extended else self.all_gather_dtype
+        return _GatherPlan(members, None, dtype, self.info.world_size, self.info.rank, self.info.group)
+
+    def _issue_gather(self, plan: "_GatherPlan", reason: Reason, after: Optional[torch.Event]) -> None:
+        comm, members, world = self._comm(), plan.members, plan.world
+        # not for reshard_after_forward=int regathers:
+        custom = self.settings.custom_all_gather if world == self.info.world_size else None
         # inference_mode(False): a first forward under torch.inference_mode must not make the
         # buffers (kept and reused for training) inference tensors.
         with (
@@ -291,28 +317,20 @@ class FSDPParamGroup:
             torch.inference_mode(False),
             comm.on(comm.all_gather_stream, after),
         ):
-            if inputs is None:
-                inputs = [t for g in members for t in g._all_gather_inputs(dtype)]
-            custom = (
-                self.settings.custom_all_gather if world == self.info.world_size else None
-            )  # not for int-reshard regathers
+            inputs = plan.inputs or [t for g in members for t in g._all_gather_inputs(plan.dtype)]
             ag_input, output = collectives.all_gather_copy_in(
-                inputs, world, rank, dtype, self.info.device, custom
+                inputs, world, plan.rank, plan.dtype, self.info.device, custom
             )
-            c = Collective(Op.ALL_GATHER, reason, label(members), dtype, output.numel(), group)
+            c = Collective(Op.ALL_GATHER, reason, label(members), plan.dtype, output.numel(), plan.group)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
-            work = (
-                comm.issue(c, lambda: collectives.all_gather(output, ag_input, group, comm.async_op, custom))
-                if world > 1
-                else None
+            run = functools.partial(
+                collectives.all_gather, output, ag_input, plan.group, comm.async_op, custom
             )
+            work = comm.issue(c, run) if world > 1 else None
             event = comm.record(comm.all_gather_stream)
-        gather = AllGather(
-            Pending(work=work, event=event, keep_alive=(output,), what=c.what()),
-            world,
-            members,
-            extended=dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params),
-        )
+        extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
+        pending = Pending(work=work, event=event, keep_alive=(output,), what=c.what())
+        gather = AllGather(pending, world, members, extended=extended)
         for g in members:
             g._all_gather = gather
 
@@ -518,8 +536,65 @@ class FSDPParamGroup:
         count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
         so every rank receives the totals): a parameter no rank had a gradient for keeps its
         ``.grad`` as it was, as in single-process training."""
-        comm = self._comm()
+        comm, info, custom = self._comm(), self.info, self.settings.custom_reduce_scatter
         missing = [i for i, g in enumerate(grads) if g is None]
+        plan = self._reduction(dtype)
+        with torch.no_grad():
+            rs_input, slot = self._reduce_scatter_input(params, grads, missing, dtype, plan.before)
+            with comm.on(comm.reduce_scatter_stream):
+                nbytes = rs_input.numel() * rs_input.element_size()
+                c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, info.group, plan)
+                if info.world_size == 1:  # one rank: its gradients are the reduced ones
+                    output, work = rs_input, None
+                else:
+                    output = collectives.empty_buffer(slot, dtype, info.device, custom)
+                    run = functools.partial(
+                        collectives.reduce_scatter,
+                        output,
+                        rs_input,
+                        info.group,
+                        comm.async_op,
+                        plan.op,
+                        custom,
+                    )
+                    work = comm.issue(c, run)
+                pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
+                part = ReduceScatterPart(pending, output, params, plan, reason, name, missing=missing)
+                self._settle(part, comm)
+        return part
+
+    def _settle(self, part: ReduceScatterPart, comm: CommContext) -> None:
+        """A reduce-scatter was just issued: the HSDP all-reduce and the accumulation run once it
+        lands (stream-ordered on accelerators, no host wait; in `ReduceScatterResult.finish` on CPU)."""
+        if self.info.is_hsdp and self.settings.requires_all_reduce:
+            part.partials = [p.take_partial_reduce() for p in part.params]
+        comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
+        if part.pending.event is not None and any(p.offload for p in part.params):
+            self.offload_events.append(part.pending.event)  # the host waits before the optimizer
+
+    def _reduction(self, dtype: torch.dtype) -> collectives.Reduction:
+        """How this group's reduction in ``dtype`` divides (before, the ops, after)."""
+        info, factor = self.info, self.settings.gradient_divide_factor
+        return collectives.plan_reduction(
+            info.data_parallel_size if factor is None else factor,
+            dtype,
+            info.world_size,
+            info.data_parallel_size,
+            info.native_avg,
+            self.settings.force_sum_reduction,
+        )
+
+    def _reduce_scatter_input(
+        self,
+        params: list[FSDPParam],
+        grads: list[Optional[torch.Tensor]],
+        missing: list[int],
+        dtype: torch.dtype,
+        before: float,
+    ) -> tuple[torch.Tensor, int]:
+        """The flat reduce-scatter input (zeros for missing gradients, then the used-counts) and each
+        rank's slot size. Copy-in (and the cast to the reduce dtype) runs on the compute stream, where
+        the gradients were made: they can be freed right after with no cross-stream hazard."""
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = next((g.dtype for g in grads if g is not None), dtype)
@@ -534,67 +609,15 @@ class FSDPParamGroup:
                 had[i] = 0
             inputs.append(had.expand(self.info.world_size, len(params)))
         slot = sum(p.shard_numel for p in params) + (len(params) if counted else 0)
-        info = self.info
-        factor = (
-            info.data_parallel_size
-            if self.settings.gradient_divide_factor is None
-            else self.settings.gradient_divide_factor
+        custom = self.settings.custom_reduce_scatter
+        rs_input = collectives.reduce_scatter_copy_in(
+            inputs, self.info.world_size, slot, dtype, device, custom
         )
-        plan = collectives.plan_reduction(
-            factor,
-            dtype,
-            info.world_size,
-            info.data_parallel_size,
-            info.native_avg,
-            self.settings.force_sum_reduction,
-        )
-        before = plan.before
-        with torch.no_grad():
-            # Copy-in (and the cast to the reduce dtype) on the compute stream, where the
-            # gradients were made: they can be freed right after with no cross-stream hazard.
-            rs_input = collectives.reduce_scatter_copy_in(
-                inputs,
-                self.info.world_size,
-                slot,
-                dtype,
-                self.info.device,
-                self.settings.custom_reduce_scatter,
-            )
-            grads.clear()
-            inputs.clear()
-            if before != 1:
-                rs_input.div_(before)
-            with comm.on(comm.reduce_scatter_stream):
-                nbytes = rs_input.numel() * rs_input.element_size()
-                c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, self.info.group, plan)
-                if self.info.world_size == 1:  # one rank: its gradients are the reduced ones
-                    output, work = rs_input, None
-                else:
-                    output = collectives.empty_buffer(
-                        slot, dtype, self.info.device, self.settings.custom_reduce_scatter
-                    )
-                    work = comm.issue(
-                        c,
-                        lambda: collectives.reduce_scatter(
-                            output,
-                            rs_input,
-                            self.info.group,
-                            comm.async_op,
-                            plan.op,
-                            self.settings.custom_reduce_scatter,
-                        ),
-                    )
-                pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
-                part = ReduceScatterPart(pending, output, params, plan, reason, name)
-                part.missing = missing
-                if self.info.is_hsdp and self.settings.requires_all_reduce:
-                    part.partials = [p.take_partial_reduce() for p in params]
-                # HSDP all-reduce and accumulation once it lands: stream-ordered on accelerators
-                # (no host wait), in `ReduceScatterResult.finish` on CPU.
-                comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
-                if part.pending.event is not None and any(p.offload for p in params):
-                    self.offload_events.append(part.pending.event)  # the host waits before the optimizer
-        return part
+        grads.clear()
+        inputs.clear()
+        if before != 1:
+            rs_input.div_(before)
+        return rs_input, slot
 
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
