@@ -163,7 +163,7 @@ class FSDPParam:
         # temporary). Other dims: the local tensor is the shard itself; padding happens at copy-in.
         self.padded_shard: Optional[torch.Tensor] = None
         self.sharded_param = self._make_sharded_param(self._make_local_shard(data))
-        self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=info.device)
+        self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: reduced over shards, not yet replicas
         # The local tensor `sync_with_module` last checked: another one means something swapped it.
@@ -193,7 +193,7 @@ class FSDPParam:
         if id(self.sharded_param) in memo:
             return
         padded = self.padded_shard.clone() if self.padded_shard is not None else None
-        local = padded[: self.layout.local_rows] if padded is not None else self.local_shard.clone()
+        local = padded[: self.where.layout.local_rows] if padded is not None else self.local_shard.clone()
         param = self._make_sharded_param(local)
         param.__dict__.update(copy.deepcopy(self.sharded_param.__dict__, memo))
         if self.sharded_param.grad is not None:
@@ -215,18 +215,18 @@ class FSDPParam:
             _seen_local=param._local_tensor,
             unsharded_param=None,
             ext=None,
-            padded_unsharded=torch.empty(0, dtype=self.param_dtype, device=self.info.device),
+            padded_unsharded=torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device),
         )
         register_sharded(new)
         return new
 
     @property
     def shape(self) -> torch.Size:
-        return self.layout.shape
+        return self.where.layout.shape
 
     @property
     def shard_dim(self) -> int:
-        return self.layout.dim
+        return self.where.layout.dim
 
     def _path(self, fqn: str) -> str:
         """``fqn`` (relative to the fully_shard call's module) from the root, once lazy init named it."""
@@ -242,7 +242,7 @@ class FSDPParam:
         override = self.group.settings.reduce_dtype if self.group is not None else None
         self.dtypes = Dtypes.derive(dtype, self.dtypes.policy, override)
 
-    # What the parameter is, as the rest of the runtime reads it (the two values above).
+    # What the parameter is, for readers outside this class (inside it: the two values above).
     fqn = property(lambda self: self.places[0].fqn, doc="Its name relative to the fully_shard call's module.")
     info = property(lambda self: self.where.info)
     layout = property(lambda self: self.where.layout)
@@ -257,7 +257,7 @@ class FSDPParam:
 
     def derive_dtypes(self) -> None:
         """Derive ``param_dtype`` / ``reduce_dtype`` again (the group's settings changed)."""
-        self._set_dtype(self.dtype)
+        self._set_dtype(self.dtypes.orig)
 
     @property
     def codec(self) -> Any:
@@ -276,7 +276,7 @@ class FSDPParam:
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of the unsharded shape (a view)."""
-        return full.narrow(self.shard_dim, self.layout.start, self.layout.local_rows)
+        return full.narrow(self.shard_dim, self.where.layout.start, self.where.layout.local_rows)
 
     def _empty_shard(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """New shard storage shaped ``shape`` for data like ``like``. A tensor subclass (an
@@ -285,34 +285,36 @@ class FSDPParam:
             return (
                 like.new_empty(shape)
                 if _is_subclass(like)
-                else torch.empty(shape, dtype=self.dtype, device="meta")
+                else torch.empty(shape, dtype=self.dtypes.orig, device="meta")
             )
         if _is_subclass(like):
-            return like.new_zeros(shape, device=self.shard_device)
-        return torch.empty(shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory)
+            return like.new_zeros(shape, device=self.where.shard_device)
+        return torch.empty(
+            shape, dtype=self.dtypes.orig, device=self.where.shard_device, pin_memory=self.where.pin_memory
+        )
 
     def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
         if self.shard_dim != 0:
-            local = self._empty_shard(tuple(self.layout.local_shape), full)
+            local = self._empty_shard(tuple(self.where.layout.local_shape), full)
             if not full.is_meta:
                 local.copy_(self.local_chunk(full))
             return local
-        self.padded_shard = self._empty_shard(tuple(self.layout.padded_shape), full)
+        self.padded_shard = self._empty_shard(tuple(self.where.layout.padded_shape), full)
         if not full.is_meta:  # meta-device init: shapes only; `to_empty` + init fill it later
             # Copy only this rank's rows, so a CPU-initialised model never lands whole on the device.
-            self.padded_shard[: self.layout.local_rows].copy_(self.local_chunk(full))
-            self.padded_shard[self.layout.local_rows :].zero_()
-        return self.padded_shard[: self.layout.local_rows]
+            self.padded_shard[: self.where.layout.local_rows].copy_(self.local_chunk(full))
+            self.padded_shard[self.where.layout.local_rows :].zero_()
+        return self.padded_shard[: self.where.layout.local_rows]
 
     def _spec_mesh_and_placements(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-        placements = self.info.placements(self.shard_dim)
-        if self.tp is None:
-            return self.info.mesh, placements
-        return self.tp.joint(self.info.mesh, placements, self.shard_dim)
+        placements = self.where.info.placements(self.shard_dim)
+        if self.where.tp is None:
+            return self.where.info.mesh, placements
+        return self.where.tp.joint(self.where.info.mesh, placements, self.shard_dim)
 
     def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         mesh, placements = self._spec_mesh_and_placements()
-        shape = self.tp.shape if self.tp is not None else self.shape
+        shape = self.where.tp.shape if self.where.tp is not None else self.shape
         dtensor = DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
@@ -323,7 +325,7 @@ class FSDPParam:
     @property
     def shard_numel(self) -> int:
         """Elements this parameter contributes to each rank's all-gather input (padding included)."""
-        return self.layout.shard_numel
+        return self.where.layout.shard_numel
 
     @property
     def local_shard(self) -> torch.Tensor:
@@ -337,17 +339,19 @@ class FSDPParam:
         if self.padded_shard is not None:
             shard = self.padded_shard.view(-1)
         else:
-            shard = _padded_rows(self.local_shard.movedim(self.shard_dim, 0), self.layout.rows, 0, 1).view(-1)
-        if self.offload:  # to the device (async from pinned memory)
-            shard = to_device(shard, self.info.device, self.pin_memory)
+            shard = _padded_rows(
+                self.local_shard.movedim(self.shard_dim, 0), self.where.layout.rows, 0, 1
+            ).view(-1)
+        if self.where.offload:  # to the device (async from pinned memory)
+            shard = to_device(shard, self.where.info.device, self.where.pin_memory)
         return shard
 
     def all_gather_input_bytes(self) -> torch.Tensor:
         """The same in ``param_dtype`` as bytes, for a group whose parameters have several
         all-gather dtypes: one byte all-gather carries them all (a cast here costs a temporary)."""
         shard = self.all_gather_input()
-        if self.param_dtype != self.dtype:
-            shard = shard.to(self.param_dtype)
+        if self.dtypes.param != self.dtypes.orig:
+            shard = shard.to(self.dtypes.param)
         return shard.view(torch.uint8)
 
     @property
@@ -397,8 +401,8 @@ class FSDPParam:
         every rank sends), flat, as bytes."""
         assert self.ext is not None and self.ext.hooks is not None
         local, hooks = self.local_shard, self.ext.hooks
-        if self.offload:  # the hooks run on the device copy, as PyTorch's do
-            local = to_device(local, self.info.device, self.pin_memory)
+        if self.where.offload:  # the hooks run on the device copy, as PyTorch's do
+            local = to_device(local, self.where.info.device, self.where.pin_memory)
             if local is not self.local_shard:
                 hooks = (
                     hooks_of(local, self.codec, self.path) or hooks
@@ -407,13 +411,13 @@ class FSDPParam:
         inputs = self.ext.inputs(
             hooks,
             local,
-            mesh=self.info.shard_mesh,
+            mesh=self.where.info.shard_mesh,
             outer_size=shape,
             outer_stride=_contiguous_stride(shape),
             module=self.places[0].module,
-            mp_policy=self.mp,
-            local_rows=self.layout.local_rows,
-            rows=self.layout.rows,
+            mp_policy=self.dtypes.policy,
+            local_rows=self.where.layout.local_rows,
+            rows=self.where.layout.rows,
             fqn=self.path,
         )
         return [t.reshape(-1).view(torch.uint8) for t in inputs]
@@ -426,21 +430,23 @@ class FSDPParam:
         """Bytes this parameter puts in each rank's row of a full all-gather."""
         if self.ext is not None and self.ext.sizes:
             return self.ext.row_bytes()
-        return self.shard_numel * self.param_dtype.itemsize
+        return self.shard_numel * self.dtypes.param.itemsize
 
     def all_gather_targets(self) -> Optional[list[torch.Tensor]]:
         """Give the unsharded storage its memory back and return where the copy-out writes: one
         ``(W, bytes per rank)`` byte view per all-gather input. ``None`` (a dim other than 0): the
         storage is the unsharded tensor itself, not in that layout; `copy_out` fills it."""
-        world = self.info.world_size
+        world = self.where.info.world_size
         if self.ext is not None and self.ext.hooks is not None:
-            return self.ext.alloc_outputs(world, self.info.device)
+            return self.ext.alloc_outputs(world, self.where.info.device)
         numel = world * self.shard_numel if self.shard_dim == 0 else _numel(self.shape)
         storage = self.padded_unsharded.untyped_storage()
         nbytes = numel * self.padded_unsharded.element_size()
         if storage.size() != nbytes:
             if self.padded_unsharded.numel() == 0:
-                self.padded_unsharded = torch.empty(numel, dtype=self.param_dtype, device=self.info.device)
+                self.padded_unsharded = torch.empty(
+                    numel, dtype=self.dtypes.param, device=self.where.info.device
+                )
             else:
                 storage.resize_(nbytes)
         if self.shard_dim != 0:
@@ -450,13 +456,13 @@ class FSDPParam:
     def copy_out(self, gathered: torch.Tensor) -> None:
         """Fill the unsharded storage from this parameter's ``(W', k * shard_numel)`` slice of an
         all-gather output (``param_dtype``): ``W' * k`` padded chunks in shard-world order."""
-        world, outer = self.info.world_size, gathered.shape[0]
+        world, outer = self.where.info.world_size, gathered.shape[0]
         # (W', W / W' chunks, rows, ...) -> (W, rows, ...): a view for the full all-gather; a copy
         # only when gathering back from reshard_after_forward=int shares.
-        rows, (n, *rest) = self.layout.rows, self.layout.moved_shape
+        rows, (n, *rest) = self.where.layout.rows, self.where.layout.moved_shape
         chunks = gathered.view(outer, world // outer, rows, *rest).flatten(0, 1)
         target = self._unsharded_view().movedim(self.shard_dim, 0)
-        full = self.layout.full_chunks
+        full = self.where.layout.full_chunks
         if full:
             target[: full * rows].view(full, rows, *rest).copy_(chunks[:full])
         if full * rows < n:
@@ -467,12 +473,12 @@ class FSDPParam:
         all-gather layout (for ``reshard_after_forward=int``): per input, for an extension."""
         if self.uses_extension:
             assert self.ext is not None
-            return torch.cat(self.ext.gathered_rows(first, count, self.info.world_size))
+            return torch.cat(self.ext.gathered_rows(first, count, self.where.info.world_size))
         if self.shard_dim == 0:
-            rows = self.padded_unsharded.view(self.info.world_size, -1)[first : first + count]
+            rows = self.padded_unsharded.view(self.where.info.world_size, -1)[first : first + count]
             return rows.reshape(-1).view(torch.uint8)
         moved = self._unsharded_view().movedim(self.shard_dim, 0)
-        return _padded_rows(moved, self.layout.rows, first, count).view(-1).view(torch.uint8)
+        return _padded_rows(moved, self.where.layout.rows, first, count).view(-1).view(torch.uint8)
 
     def free_unsharded(self) -> None:
         if self.ext is not None:
@@ -480,7 +486,7 @@ class FSDPParam:
         self.padded_unsharded.untyped_storage().resize_(0)
 
     def _unsharded_view(self) -> torch.Tensor:
-        tensor = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
+        tensor = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
         return tensor.set_(
             self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape)
         )
@@ -488,8 +494,8 @@ class FSDPParam:
     def _ensure_unsharded_param(self) -> nn.Parameter:
         if self.unsharded_param is None:
             tensor: torch.Tensor = self._unsharded_view()
-            if self.tp is not None:
-                tensor = self.tp.unsharded(tensor)
+            if self.where.tp is not None:
+                tensor = self.where.tp.unsharded(tensor)
             self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
@@ -497,16 +503,16 @@ class FSDPParam:
         assert self.ext is not None
         if self.unsharded_param is not None:
             param = self.unsharded_param
-            out = param._local_tensor if self.tp is not None else param  # type: ignore[attr-defined]
-            self.ext.rebuild_into(out, self.param_dtype)
+            out = param._local_tensor if self.where.tp is not None else param  # type: ignore[attr-defined]
+            self.ext.rebuild_into(out, self.dtypes.param)
             return self.unsharded_param
         with torch.no_grad():
-            tensor = self.ext.rebuild_first(self.param_dtype, self.path)
+            tensor = self.ext.rebuild_first(self.dtypes.param, self.path)
             tensor = torch.as_strided(
                 tensor, self.shape, _contiguous_stride(self.shape), 0
             )  # drops the padding rows
-        if self.tp is not None:
-            tensor = self.tp.unsharded(tensor)
+        if self.where.tp is not None:
+            tensor = self.where.tp.unsharded(tensor)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
@@ -548,8 +554,8 @@ class FSDPParam:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
-        if self.tp is not None:
-            grad = self.tp.local_grad(grad)
+        if self.where.tp is not None:
+            grad = self.where.tp.local_grad(grad)
         if grad.shape != self.shape:
             raise RuntimeError(
                 f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}"
@@ -558,24 +564,27 @@ class FSDPParam:
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
-        grad = padded_grad_shard.view(self.layout.rows, *self.layout.moved_shape[1:])[
-            : self.layout.local_rows
+        grad = padded_grad_shard.view(self.where.layout.rows, *self.where.layout.moved_shape[1:])[
+            : self.where.layout.local_rows
         ]
         if self.shard_dim:
             grad = grad.movedim(0, self.shard_dim)
-        if grad.dtype != self.dtype:
-            grad = grad.to(self.dtype)
+        if grad.dtype != self.dtypes.orig:
+            grad = grad.to(self.dtypes.orig)
         existing = self.sharded_param.grad
-        if self.offload and (
-            grad.device != self.shard_device or grad.is_meta
+        if self.where.offload and (
+            grad.device != self.where.shard_device or grad.is_meta
         ):  # the gradient goes back to the host
             with allocating():
                 host = torch.empty(
-                    grad.shape, dtype=self.dtype, device=self.shard_device, pin_memory=self.pin_memory
+                    grad.shape,
+                    dtype=self.dtypes.orig,
+                    device=self.where.shard_device,
+                    pin_memory=self.where.pin_memory,
                 )
             # Asynchronous only into a fresh .grad: the host waits for it before the optimizer
             # (end of backward). Adding into an existing one needs the values now.
-            host.copy_(grad, non_blocking=self.pin_memory and existing is None)
+            host.copy_(grad, non_blocking=self.where.pin_memory and existing is None)
             grad = host
         if existing is None:
             self.sharded_param.grad = DTensor(  # type: ignore[call-arg]
@@ -611,7 +620,9 @@ class FSDPParam:
         that did not touch this parameter: it still has to join the reduction."""
         if self.partial_reduce is None:
             return None
-        return torch.zeros(self.layout.moved_shape, dtype=self.param_dtype, device=self.info.device)
+        return torch.zeros(
+            self.where.layout.moved_shape, dtype=self.dtypes.param, device=self.where.info.device
+        )
 
     # -- picking up changes made behind our back --------------------------------------------------
 
@@ -673,7 +684,7 @@ class FSDPParam:
 
     def _accept_replacement(self, new: object, fqn: str) -> nn.Parameter:
         mesh, placements = self._spec_mesh_and_placements()
-        shape = self.tp.shape if self.tp is not None else self.shape
+        shape = self.where.tp.shape if self.where.tp is not None else self.shape
         expected = f"a DTensor of global shape {tuple(shape)} with placements {placements} on mesh {mesh}"
         owner = manager_of(new) if isinstance(new, nn.Parameter) else None
         if owner is not None and owner is not self:
@@ -694,7 +705,7 @@ class FSDPParam:
                 f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on "
                 f"mesh {new.device_mesh}"
             )
-        elif isinstance(new, torch.Tensor) and self.tp is None and new.shape == shape:
+        elif isinstance(new, torch.Tensor) and self.where.tp is None and new.shape == shape:
             # A plain full tensor: keep this rank's chunk, as fully_shard itself does.
             self._set_dtype(new.dtype)
             self._drop_unsharded()
@@ -714,21 +725,21 @@ class FSDPParam:
         )
 
     def _rehome(self, local: torch.Tensor, adopt_device: bool) -> None:
-        if local.dtype != self.dtype:  # module.to(dtype), .double(), .half(), or an assigned tensor
+        if local.dtype != self.dtypes.orig:  # module.to(dtype), .double(), .half(), or an assigned tensor
             self._set_dtype(local.dtype)
             self._drop_unsharded()
         if local.is_meta:
             return  # meta-device init: shapes only until to_empty; unshard refuses to gather it
-        if local.device != self.shard_device and not (adopt_device and self.offload):
+        if local.device != self.where.shard_device and not (adopt_device and self.where.offload):
             where = (
                 "CPUOffloadPolicy keeps its shard on cpu"
-                if self.offload
-                else f"its mesh computes on {self.info.device}"
+                if self.where.offload
+                else f"its mesh computes on {self.where.info.device}"
             )
             raise RuntimeError(
                 f"parameter {self.path} is on {local.device} after fully_shard, but {where}. Fix: move the "
-                f"module before fully_shard, or to_empty(device='{self.info.device}') a meta-initialised one "
-                "(fully_shard keeps offloaded shards on the host)."
+                f"module before fully_shard, or to_empty(device='{self.where.info.device}') a "
+                "meta-initialised one (fully_shard keeps offloaded shards on the host)."
             )
         padded = self.padded_shard
         if (
@@ -738,17 +749,19 @@ class FSDPParam:
             and _views(local, padded)
         ):
             return
-        in_place = local.device == self.shard_device and (not self.pin_memory or local.is_pinned())
+        in_place = local.device == self.where.shard_device and (
+            not self.where.pin_memory or local.is_pinned()
+        )
         if self.shard_dim != 0:
             if not in_place:
                 host = self._empty_shard(tuple(local.shape), local)
                 host.copy_(local)
                 self._set_local(local, host)
             return  # the all-gather reads the local tensor itself
-        if in_place and tuple(local.shape) == tuple(self.layout.padded_shape) and local.is_contiguous():
+        if in_place and tuple(local.shape) == tuple(self.where.layout.padded_shape) and local.is_contiguous():
             self.padded_shard = local  # no padding on this rank: the new tensor is the padded shard
             return
-        padded = self._empty_shard(tuple(self.layout.padded_shape), local)
+        padded = self._empty_shard(tuple(self.where.layout.padded_shape), local)
         padded[: local.shape[0]].copy_(local)
         padded[local.shape[0] :].zero_()
         self.padded_shard = padded
@@ -767,7 +780,7 @@ class FSDPParam:
     def _drop_unsharded(self) -> None:
         """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
         assert not self.is_unsharded, f"parameter {self.fqn} changed while unsharded"
-        self.padded_unsharded = torch.empty(0, dtype=self.param_dtype, device=self.info.device)
+        self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
         self.unsharded_param = None
 
 

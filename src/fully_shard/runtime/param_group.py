@@ -223,7 +223,7 @@ class FSDPParamGroup:
     def refresh(self) -> None:
         """Re-derive what the group reads off its parameters (after one was replaced or converted)."""
         self.trainable = [p for p in self.params if p.requires_grad]
-        param_dtypes = {p.param_dtype for p in self.params}
+        param_dtypes = {p.dtypes.param for p in self.params}
         # The all-gather moves bytes; traces show the dtype when the group has one.
         self.all_gather_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else torch.uint8
 
@@ -379,8 +379,8 @@ class FSDPParamGroup:
         offset = 0
         for p, target in zip(self.params, targets):
             if target is None:  # sharded on another dim: copy_out moves the chunks into place
-                nbytes = slots * p.shard_numel * p.param_dtype.itemsize
-                p.copy_out(rows[:, offset : offset + nbytes].view(p.param_dtype))
+                nbytes = slots * p.shard_numel * p.dtypes.param.itemsize
+                p.copy_out(rows[:, offset : offset + nbytes].view(p.dtypes.param))
                 offset += nbytes
                 continue
             for t in target:
@@ -469,7 +469,7 @@ class FSDPParamGroup:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
                 if p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
                     if grad is not None:
-                        p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.reduce_dtype))
+                        p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.dtypes.reduce))
                     continue
                 # Every trainable parameter takes part, with None where this rank has no gradient
                 # (zeros are sent): ranks that route differently (MoE) still agree on the layout.
@@ -516,7 +516,7 @@ class FSDPParamGroup:
         key) with one reduce-scatter per reduce dtype; ``name`` labels it in traces."""
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for p, g in zip(params, grads):
-            bucket = by_dtype.setdefault(p.reduce_dtype, ([], []))
+            bucket = by_dtype.setdefault(p.dtypes.reduce, ([], []))
             bucket[0].append(p)
             bucket[1].append(g)
         grads.clear()
@@ -569,7 +569,7 @@ class FSDPParamGroup:
         if self.info.is_hsdp and self.settings.requires_all_reduce:
             part.partials = [p.take_partial_reduce() for p in part.params]
         comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
-        if part.pending.event is not None and any(p.offload for p in part.params):
+        if part.pending.event is not None and any(p.where.offload for p in part.params):
             self.offload_events.append(part.pending.event)  # the host waits before the optimizer
 
     def _reduction(self, dtype: torch.dtype) -> collectives.Reduction:
@@ -599,7 +599,7 @@ class FSDPParamGroup:
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = next((g.dtype for g in grads if g is not None), dtype)
         inputs = [
-            g if g is not None else torch.zeros(p.layout.moved_shape, dtype=gdtype, device=device)
+            g if g is not None else torch.zeros(p.where.layout.moved_shape, dtype=gdtype, device=device)
             for p, g in zip(params, grads)
         ]
         counted = self.settings.reduce_unused
