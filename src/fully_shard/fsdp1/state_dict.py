@@ -180,19 +180,14 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): clean(n) for n, p in model.named_parameters()}
 
 
-def _root_settings(model: nn.Module) -> StateDictSettings:
-    return get_type([m for m in model.modules() if "_fsdp1_settings" in m.__dict__])
-
-
 def optim_state_dict(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     osd: Optional[dict[str, Any]],
-    settings: Optional[StateDictSettings] = None,
+    settings: StateDictSettings,
 ) -> dict[str, Any]:
     """``optim``'s state (``osd``, default ``optim.state_dict()``) keyed by parameter name, in the
-    model's state-dict type (or ``settings``)."""
-    settings = settings or _root_settings(model)
+    state-dict type of ``settings`` (the model's, or one a legacy function fixes)."""
     kind, config = settings.state_dict_type, settings.optim_state_dict_config
     raw = optim.state_dict() if osd is None else osd
     names = _names(model)
@@ -241,19 +236,15 @@ def optim_state_dict_to_load(
     model: nn.Module,
     optim: Optional[torch.optim.Optimizer],
     osd: dict[str, Any],
-    kind: Optional[StateDictType] = None,
+    kind: StateDictType,
+    from_rank0: bool = False,
 ) -> dict[str, Any]:
     """A name-keyed optimizer state dict (ours or PyTorch FSDP1's; ID-keyed ones too) as
     ``optim.load_state_dict`` takes it: keyed by position in ``optim`` (or, without one, in
     ``model.parameters()``), each value in its parameter's layout. ``kind``: the layout of the
-    values (default: the model's state-dict type)."""
-    if kind is None:
-        settings = _root_settings(model)
-        kind = settings.state_dict_type
-        if kind is StateDictType.FULL_STATE_DICT and getattr(
-            settings.optim_state_dict_config, "rank0_only", False
-        ):
-            osd = broadcast_from_rank0(osd)
+    values; ``from_rank0``: only rank 0 holds ``osd`` (a FULL one saved with ``rank0_only``)."""
+    if from_rank0:
+        osd = broadcast_from_rank0(osd)
     names = _names(model)
     params = _ordered_params(optim) if optim is not None else list(model.parameters())
     index = {names[id(p)]: i for i, p in enumerate(params)}

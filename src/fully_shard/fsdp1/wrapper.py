@@ -394,7 +394,7 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[str, Any]:
         """The optimizer's state keyed by parameter names, in the model's state-dict type."""
         _default_group_only(group, "optim_state_dict")
-        return sd.optim_state_dict(model, optim, optim_state_dict)
+        return sd.optim_state_dict(model, optim, optim_state_dict, _model_settings(model))
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -407,7 +407,12 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[str, Any]:
         """A state dict ``optim.load_state_dict`` takes, from one `optim_state_dict` returned."""
         _default_group_only(group, "optim_state_dict_to_load")
-        out = sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        settings = _model_settings(model)
+        kind = settings.state_dict_type
+        rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(
+            settings.optim_state_dict_config, "rank0_only", False
+        )
+        out = sd.optim_state_dict_to_load(model, optim, optim_state_dict, kind, from_rank0=rank0)
         if load_directly:
             optim.load_state_dict(out)
         return out
@@ -513,6 +518,11 @@ class FullyShardedDataParallel(nn.Module):
                 state = engine_state(m)
                 assert state is not None
                 state.update_settings(reduce_dtype=dtype)
+
+
+def _model_settings(model: nn.Module) -> StateDictSettings:
+    """The state-dict settings every instance under ``model`` shares (one `state_dict_type`)."""
+    return sd.get_type(FullyShardedDataParallel.fsdp_modules(model))
 
 
 def _set_forward_prefetch(order: list["FullyShardedDataParallel"]) -> None:

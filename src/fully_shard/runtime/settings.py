@@ -47,6 +47,8 @@ class Settings:
 
     def codec_for(self, fqn: str) -> Any:
         """The all-gather codec chosen for the parameter ``fqn`` (None: the plain all-gather)."""
+        if not self.codecs:  # every all-gather asks, per parameter: the common case costs nothing
+            return None
         return next((codec for name, codec in self.codecs if name == fqn), None)
 
     def reduction_key(self) -> tuple[object, ...]:

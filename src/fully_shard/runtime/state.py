@@ -4,17 +4,17 @@ One `FSDPState` per ``fully_shard`` call. The root's first forward creates a `Ro
 every state under it shares: the streams, the post-forward order (for backward prefetch), the
 reduce-scatter in flight and the end-of-backward callback.
 
-Hook map (each hook is a thin adapter to a named method; the two module hooks are installed
-through `api._OutsideCompile`, so they run eagerly outside ``torch.compile``'s graphs):
+Hook map (each hook reports one event and nothing else; the two module hooks are installed
+through `api.sharding._OutsideCompile`, so they run eagerly outside ``torch.compile``'s graphs):
 
-* forward pre-hook  -> `FSDPState.pre_forward`: lazy init, unshard, attach the post-backward signal
-* forward hook      -> `FSDPState.post_forward`: reshard, remember order, hook outputs for backward
-* output grad hook  -> `FSDPState.pre_backward`: unshard again, prefetch the next group in backward
-* input grad signal -> `FSDPState.post_backward`: reshard, reduce-scatter gradients
-* engine callback   -> `RootContext.finish_backward`: finish groups the signals missed, wait
+* forward pre-hook  -> `FSDPState.pre_forward`: FORWARD (or RECOMPUTE inside backward)
+* forward hook      -> `FSDPState.post_forward`: FORWARD_DONE (or RECOMPUTE_DONE)
+* output grad hook  -> `FSDPState.pre_backward`: PRE_BACKWARD
+* input grad signal -> `FSDPState.post_backward_signal`: SIGNAL
+* engine callback   -> `RootContext.handle(BACKWARD_END)`: every module's BACKWARD_END
 
-The root's iteration is a state machine (lifecycle.ITERATION): hooks report an `Event` to
-`RootContext.handle`, and the table says which phase follows and which method runs.
+What each event does is decided by the tables at the bottom of this file: `MODULE` for a module
+(`FSDPState.handle`), `ITERATION` for a root's iteration (`RootContext.handle`).
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ class RootContext:
         ]
 
     def describe(self) -> list[str]:
-        """What this root is doing, for the watchdog (schedule.py)."""
+        """What this root is doing, for the watchdog (watchdog.py)."""
         lines = [
-            f"root {class_name(self.root.modules[0])}: iteration {self.phase.name}"
+            f"{self.name()}: iteration {self.phase.name}"
             + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")
         ]
         for s in self.states:
@@ -348,9 +348,9 @@ class FSDPState:
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
+        self.phase = TrainingPhase.IDLE  # this module's lifecycle (the table MODULE)
         # Post-backward signals attached in forward that have not fired yet: the group reduces
-        # when this returns to zero, i.e. after the backward of its *first* forward use.
-        self.phase = TrainingPhase.IDLE  # this module's lifecycle (lifecycle.MODULE)
+        # at the last one, i.e. after the backward of its *first* forward use.
         self._signals_pending = 0
         # List form: members that finished forward since the group last unsharded.
         self._members_done: set[int] = set()
@@ -493,8 +493,6 @@ class FSDPState:
         assert self.ctx is not None
         return self.ctx
 
-    # -- forward ---------------------------------------------------------------------------------
-
     # -- hooks: each reports one event; the table (MODULE, below) decides what runs ----------------
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -600,8 +598,7 @@ class FSDPState:
     def finish_output(self, module: nn.Module, output: Any) -> Any:
         """Post-forward of each module of the call: cast the output; the root reshards bucket
         members its forward skipped; outputs hooked for backward."""
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+        output = self._cast_output(output)
         if self.is_root and self.ctx is not None:
             for bucket in self.ctx.buckets:
                 bucket.reshard_unused()
@@ -635,10 +632,13 @@ class FSDPState:
         return output
 
     def after_recompute(self, module: nn.Module, output: Any) -> Any:
-        """Backward needs these parameters next; its own post-backward reshards them."""
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
-        return output
+        """Cast the output. Inside backward nothing else: backward needs these parameters next,
+        and its own post-backward reshards them."""
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self.mp_policy.output_dtype
+        return _cast_floats(output, dtype) if dtype is not None else output
 
     def members_left(self, module: nn.Module, output: Any) -> bool:
         """Guard: other modules of a list-form call have not finished this forward yet."""
@@ -685,10 +685,8 @@ class FSDPState:
         ctx = self.root_context()
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
-            if self.settings.unshard_in_backward:
-                self._unshard_groups(
-                    Reason.BACKWARD
-                )  # a no-op when the previous group's backward prefetched it
+            if self.settings.unshard_in_backward:  # a no-op when the previous group's backward prefetched it
+                self._unshard_groups(Reason.BACKWARD)
             # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
             # and the prefetch still overlaps all of this group's backward compute.
             implicit = ctx.backward_prefetch_target(self)
