@@ -404,3 +404,69 @@ def test_iteration_phases_follow_the_table(ranks):
         ("after next step", "IDLE"),
     ], r["seen"]
     assert "root Sequential: BACKWARD_END is not expected while in IDLE" in r["error"], r["error"]
+
+
+# -- changes made behind the engine's back: events, not polling ----------------------------------
+
+
+def _changes_are_events() -> dict:
+    """A parameter assigned or loaded is noticed where it happens (the registration hook, the load
+    hook), not by asking every parameter at every unshard: steady steps take nothing over. A local
+    tensor swapped with no event to report it (``.to()`` on a module fully_shard was not applied
+    to) is looked for once, when the root's forward starts."""
+    from fully_shard.runtime.param_group import FSDPParamGroup
+
+    model, ref = nested_mlp_and_reference()
+    synced: list[str] = []
+    original = FSDPParamGroup.sync_params
+
+    def counting(self, *args, **kwargs):
+        synced.append(self.fqn or "<root>")
+        return original(self, *args, **kwargs)
+
+    FSDPParamGroup.sync_params = counting
+    try:
+        _train_pair(model, ref, mlp_batch, _mlp_loss, 1)
+        first = sorted(synced)
+        groups = {s.fqn or "<root>": s.group for s in _all_states(model)}  # named at lazy init
+        synced.clear()
+        _train_pair(model, ref, mlp_batch, _mlp_loss, 2)
+        steady = list(synced)
+        # An assignment (a plain full tensor: each rank keeps its chunk) marks its group at once.
+        new = ref[0][0].weight.detach() * 0.5
+        model[0][0].weight = nn.Parameter(new.clone())
+        with torch.no_grad():
+            ref[0][0].weight.copy_(new)
+        assigned = sorted(k for k, g in groups.items() if g.needs_sync)
+        with torch.no_grad():  # taken over here, so the optimizer below sees the new shard
+            model(mlp_batch(0)[0])
+        after_assign = _train_pair(model, ref, mlp_batch, _mlp_loss, 2)
+        synced.clear()
+        # A load marks every group it loaded into.
+        model.load_state_dict(model.state_dict())
+        loaded = sorted(k for k, g in groups.items() if g.needs_sync)
+        _train_pair(model, ref, mlp_batch, _mlp_loss, 1)
+        synced.clear()
+        # No event: values rounded to float32 under block 2's plain Linear, in both models.
+        model[2][2].to(torch.float32).to(torch.float64)
+        ref[2][2].to(torch.float32).to(torch.float64)
+        silent = sorted(k for k, g in groups.items() if g.needs_sync)
+        after_swap = _train_pair(model, ref, mlp_batch, _mlp_loss, 2)
+        swapped = sorted(set(synced))
+    finally:
+        FSDPParamGroup.sync_params = original
+    return {
+        "first": first, "steady": steady, "assigned": assigned, "after_assign": after_assign,
+        "loaded": loaded, "silent": silent, "swapped": swapped, "after_swap": after_swap,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_changes_are_noticed_by_events_not_polling(ranks, world_size):
+    everyone = ["0", "1", "2", "<root>"]
+    for r in ranks(world_size).run(_changes_are_events):
+        assert r["first"] == everyone and r["steady"] == [], r  # the first unshard only
+        assert r["assigned"] == ["0"] and r["loaded"] == everyone and r["silent"] == [], r
+        assert r["swapped"] == ["2"], r  # found at the root's forward start
+        for key in ("after_assign", "after_swap"):
+            assert r[key]["loss_diff"] <= TOL64 and r[key]["param_diff"] <= TOL64, (key, r)

@@ -113,6 +113,7 @@ class FSDPModule:
         for group in self._get_fsdp_state().own:
             with torch.no_grad():
                 group.sync_params(adopt_device=True)
+            group.needs_sync = True  # extension methods may be set on the new shards before it runs
         return result
 
     # -- run-time knobs --------------------------------------------------------------------------

@@ -76,12 +76,12 @@ class Bucket:
         for g in ahead:
             if not self.follows_schedule(g):
                 continue
-            if g.is_stale():
+            if g.needs_sync:
                 g.reshard()
+                with torch.no_grad():
+                    g.sync_params()
             if g.sharded_state is not ShardedState.SHARDED or g._all_gather is not None:
                 continue
-            with torch.no_grad():
-                g.sync_params()
             if g.all_gather_dtype == requester.all_gather_dtype:
                 chosen.append(g)
         chosen.append(requester)

@@ -40,16 +40,13 @@ class Reason(str, Enum):
     END_OF_BACKWARD = "end_of_backward"  # reduced by the end-of-backward callback: no signal fired
 
     @property
-    def hook_driven(self) -> bool:
-        """Driven by the module hooks: only these gather a whole bucket (bucket.py)."""
-        return self in _HOOK_DRIVEN
-
-    @property
     def forward(self) -> bool:
         return self in (Reason.FORWARD, Reason.FORWARD_PREFETCH)
 
 
-_HOOK_DRIVEN = frozenset({Reason.FORWARD, Reason.FORWARD_PREFETCH, Reason.BACKWARD, Reason.BACKWARD_PREFETCH})
+# Driven by the module hooks: only these gather a whole bucket (bucket.py), and only these rely on
+# the root's forward start to have looked for changes (`FSDPParamGroup.notice_changes`).
+HOOK_DRIVEN = frozenset({Reason.FORWARD, Reason.FORWARD_PREFETCH, Reason.BACKWARD, Reason.BACKWARD_PREFETCH})
 
 
 @dataclass(frozen=True)

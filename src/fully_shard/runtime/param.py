@@ -57,7 +57,7 @@ from ..layouts.layout import ShardLayout
 from .lifecycle import ShardedState
 from ..layouts.mesh import MeshInfo
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from .registry import manager_of, register_sharded
+from .registry import manager_of, register_places, register_sharded
 from .settings import Settings
 from ..layouts.tp import TPSpec
 
@@ -166,11 +166,19 @@ class FSDPParam:
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: reduced over shards, not yet replicas
-        # The local tensor `sync_with_module` last checked: another one means something swapped it.
+        # The local tensor `sync_with_module` last took over: another one means something swapped
+        # it (`FSDPParamGroup.notice_changes` compares them at each iteration's start).
         self._seen_local: Optional[torch.Tensor] = None
         register_sharded(self)
+        register_places(self, places)
         for place in places:
             place.set(self.sharded_param)
+
+    def note_assigned(self) -> None:
+        """Something was registered at one of this parameter's places (``module.weight = ...``,
+        ``load_state_dict(..., assign=True)``): the group takes it over before its next unshard."""
+        if self.group is not None:
+            self.group.needs_sync = True
 
     def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
         """The tensors this parameter holds, each with its category (`fully_shard.plan.CATEGORIES`):
@@ -268,6 +276,7 @@ class FSDPParam:
         """A later ``fully_shard`` call's modules use this parameter too (tied weights): swap it
         there as well, starting from its current form."""
         current = self.unsharded_param if self.is_unsharded else self.sharded_param
+        register_places(self, places)
         for place in places:
             self.places.append(place)
             place.set(current)  # type: ignore[arg-type]
@@ -353,16 +362,6 @@ class FSDPParam:
         if self.dtypes.param != self.dtypes.orig:
             shard = shard.to(self.dtypes.param)
         return shard.view(torch.uint8)
-
-    @property
-    def shard_version(self) -> int:
-        """Grows whenever the shard is written in place.
-
-        DTensor runs an in-place op on its local tensor below autograd, so the local tensor's own
-        counter misses optimizer steps and ``load_state_dict``; the outer DTensor's counter sees
-        those. The local tensor's counter sees direct writes through ``to_local()``.
-        """
-        return self.sharded_param._version + self.local_shard._version
 
     # -- all-gather extensions (extension.py) ---------------------------------------------------
 
@@ -480,23 +479,17 @@ class FSDPParam:
         moved = self._unsharded_view().movedim(self.shard_dim, 0)
         return _padded_rows(moved, self.where.layout.rows, first, count).view(-1).view(torch.uint8)
 
-    def free_unsharded(self) -> None:
-        if self.ext is not None:
-            self.ext.free()
-        self.padded_unsharded.untyped_storage().resize_(0)
-
     def _unsharded_view(self) -> torch.Tensor:
         tensor = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
         return tensor.set_(
             self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape)
         )
 
-    def _ensure_unsharded_param(self) -> nn.Parameter:
-        if self.unsharded_param is None:
-            tensor: torch.Tensor = self._unsharded_view()
-            if self.where.tp is not None:
-                tensor = self.where.tp.unsharded(tensor)
-            self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
+    def _make_unsharded_param(self) -> nn.Parameter:
+        tensor: torch.Tensor = self._unsharded_view()
+        if self.where.tp is not None:
+            tensor = self.where.tp.unsharded(tensor)
+        self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         return self.unsharded_param
 
     def _rebuild_from_extension(self) -> nn.Parameter:
@@ -529,21 +522,26 @@ class FSDPParam:
     def to_unsharded(self) -> None:
         """Point the module at the unsharded parameter (its data must already be copied out; an
         extension's post hook rebuilds it from the outputs here)."""
-        if self.uses_extension:
+        if self.ext is not None and self.ext.hooks is not None:
             unsharded = self._rebuild_from_extension()
+        elif self.unsharded_param is None:
+            unsharded = self._make_unsharded_param()
         else:
-            unsharded = self._ensure_unsharded_param()
-        for place in self.places:
-            place.set(unsharded)
+            unsharded = self.unsharded_param
+        for place in self.places:  # straight into _parameters: see ParamPlace.set
+            place.module._parameters[place.name] = unsharded
 
     def to_sharded(self) -> None:
         """Point the module back at the sharded DTensor parameter and free the unsharded memory."""
         for place in self.places:
             # A place holding something else was assigned by the user meanwhile: leave it for
             # `sync_with_module` to take over at the next unshard.
-            if place.get() is self.unsharded_param:
-                place.set(self.sharded_param)
-        self.free_unsharded()
+            params = place.module._parameters
+            if params.get(place.name) is self.unsharded_param:
+                params[place.name] = self.sharded_param
+        if self.ext is not None:
+            self.ext.free()
+        self.padded_unsharded.untyped_storage().resize_(0)
 
     # -- gradients -------------------------------------------------------------------------------
 
@@ -654,17 +652,11 @@ class FSDPParam:
         if local is self._seen_local and not changed:
             return frozen_or_thawed
         self._rehome(local, adopt_device)
-        # A meta shard stays unseen: every unshard looks again (and refuses it) until it is real.
-        self._seen_local = None if local.is_meta else self.local_shard
+        # A meta shard stays unseen: every iteration looks again (and refuses it) until it is real
+        # (on a meta mesh, a simulation, it is what there is).
+        unseen = local.is_meta and self.where.info.device.type != "meta"
+        self._seen_local = None if unseen else self.local_shard
         return True
-
-    def replaced(self) -> bool:
-        """Whether a place holds neither form of this parameter (the user assigned a new one)."""
-        for place in self.places:
-            current = place.get()
-            if current is not self.sharded_param and current is not self.unsharded_param:
-                return True
-        return False
 
     def _adopt_assigned(self) -> bool:
         for place in self.places:

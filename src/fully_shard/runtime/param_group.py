@@ -16,7 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from . import collectives
-from .collective import Collective, Op, Reason
+from .collective import HOOK_DRIVEN, Collective, Op, Reason
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
 from ..layouts.mesh import MeshInfo, PostForwardGroup
@@ -180,8 +180,13 @@ class FSDPParamGroup:
         self.grad_observer: Optional[Callable[[FSDPParam, torch.Tensor], None]] = None
         # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
         self.bucket: Optional[SharedCollectives] = None
-        # Shard versions the current unsharded parameters were gathered from (see `is_stale`).
-        self._gathered_versions: tuple[int, ...] = ()
+        # Shard versions the current unsharded parameters were gathered from (`notice_changes`).
+        self._gathered_versions: list[int] = []
+        # Something changed behind the group's back (a parameter assigned, converted, loaded, a
+        # codec set; `notice_changes`): the next unshard drops any copy and takes it over first
+        # (`sync_params`). True at first: the first unshard resolves extensions, refuses meta.
+        self.needs_sync = True
+        self.extended = False  # some parameter all-gathers through an extension (extension.py)
         # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
@@ -212,6 +217,7 @@ class FSDPParamGroup:
             grad_observer=None,
             forward_users=set(),
             _post_forward_shard=None,
+            needs_sync=True,
         )
 
     def derive_dtypes(self) -> None:
@@ -229,13 +235,41 @@ class FSDPParamGroup:
 
     def sync_params(self, adopt_device: bool = False) -> None:
         """Take over parameters that were replaced or converted while sharded (see
-        `FSDPParam.sync_with_module`), and refuse to gather any still on the meta device."""
+        `FSDPParam.sync_with_module`), resolve which all-gather through an extension, and refuse to
+        gather any still on the meta device."""
         changed = False
         for p in self.params:
             changed |= p.sync_with_module(adopt_device)
-        if not changed:
-            return
-        self.refresh()
+        self.extended = any([p.resolve_extension() for p in self.params])
+        if changed:
+            self.refresh()
+            self._refuse_meta(adopt_device)
+        self.needs_sync = False
+
+    def notice_changes(self) -> None:
+        """What no event reports, looked for once per iteration (the root's forward starts) and
+        before an explicit unshard: a shard's local tensor swapped under its DTensor (``.data =``,
+        ``.to()`` on a module ``fully_shard`` was not applied to), ``requires_grad`` flipped, or a
+        shard written while an unsharded copy of it is held (an optimizer step after a forward
+        whose backward never ran). Any of them: the next unshard takes it over (`sync_params`).
+
+        DTensor runs in-place ops on its local tensor below autograd, so the local tensor's own
+        version counter misses optimizer steps and ``load_state_dict``; the outer DTensor's sees
+        those, the local tensor's sees direct writes through ``to_local()``: the sum sees both."""
+        holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
+        versions = self._gathered_versions if holds_copy else None
+        for i, p in enumerate(self.params):
+            sp = p.sharded_param
+            local = sp._local_tensor
+            if (
+                sp.requires_grad != p.requires_grad
+                or local is not p._seen_local
+                or (versions is not None and versions[i] != sp._version + local._version)
+            ):
+                self.needs_sync = True
+                return
+
+    def _refuse_meta(self, adopt_device: bool) -> None:
         on_meta = [p.path for p in self.params if p.local_shard.is_meta]
         if on_meta and not adopt_device and self.info.device.type != "meta":  # meta mesh: a simulation
             raise RuntimeError(
@@ -274,13 +308,14 @@ class FSDPParamGroup:
         gathered again: every caller gets current parameters. In a hook-driven phase, a group in a
         `Bucket` gathers together with the bucket's members that run next (`Bucket.gather_with`).
         """
-        if self.is_stale():
+        if reason not in HOOK_DRIVEN:  # hook-driven ones: the root's forward start looked
+            self.notice_changes()
+        if self.needs_sync:
             self.reshard()
-        if self.is_unsharded or self._all_gather is not None:
-            return
-        if self.sharded_state is ShardedState.SHARDED:
             with torch.no_grad():
                 self.sync_params()
+        if self.sharded_state is ShardedState.UNSHARDED or self._all_gather is not None:
+            return
         self._issue_gather(self._plan_gather(reason), reason, after)
 
     def _plan_gather(self, reason: Reason) -> "_GatherPlan":
@@ -293,13 +328,17 @@ class FSDPParamGroup:
             return _GatherPlan([self], [self._post_forward_shard], torch.uint8, pf.size, pf.rank, pf.group)
         members = (
             self.bucket.gather_with(self, reason)
-            if self.bucket is not None and reason.hook_driven
+            if self.bucket is not None and reason in HOOK_DRIVEN
             else [self]
         )
         extended = False
         for g in members:
-            g._gathered_versions = g._shard_versions()
-            extended |= g.resolve_extensions()
+            versions = g._gathered_versions
+            versions.clear()
+            for p in g.params:
+                sp = p.sharded_param
+                versions.append(sp._version + sp._local_tensor._version)
+            extended = extended or g.extended
         # Extensions choose their inputs' dtypes: one byte all-gather carries them all. The inputs
         # are read on the all-gather stream: offloaded shards are copied to the device there.
         dtype = torch.uint8 if extended else self.all_gather_dtype
@@ -333,10 +372,6 @@ class FSDPParamGroup:
         gather = AllGather(pending, world, members, extended=extended)
         for g in members:
             g._all_gather = gather
-
-    def resolve_extensions(self) -> bool:
-        """Whether any parameter all-gathers through an extension this time (extension.py)."""
-        return any([p.resolve_extension() for p in self.params])
 
     def _all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
         if dtype != torch.uint8:  # one dtype: copy-in casts each shard in place
@@ -406,17 +441,12 @@ class FSDPParamGroup:
         self._post_forward_shard = None
         self._set_sharded_state(ShardedState.UNSHARDED)
 
-    def _shard_versions(self) -> tuple[int, ...]:
-        return tuple(p.shard_version for p in self.params)
-
     def is_stale(self) -> bool:
-        """Whether a shard changed since this group was gathered (e.g. an optimizer step after a
-        forward whose backward never ran) or a parameter was replaced (``load_state_dict(...,
-        assign=True)``): the unsharded parameters must not be used then."""
+        """Whether this group holds an unsharded copy it must not use: a shard changed since it
+        was gathered, or a parameter was replaced (`notice_changes`, `needs_sync`)."""
+        self.notice_changes()
         holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
-        return holds_copy and (
-            self._gathered_versions != self._shard_versions() or any(p.replaced() for p in self.params)
-        )
+        return holds_copy and self.needs_sync
 
     # -- reshard ---------------------------------------------------------------------------------
 

@@ -144,8 +144,13 @@ class RootContext:
             self.phase = step.then
 
     def start_iteration(self) -> None:
-        """A root forward starts: hook up the traces opened around it."""
-        self.attach_active_observers()
+        """A root forward starts: look for what changed between steps with no event to say so
+        (`FSDPParamGroup.notice_changes`); hook up the traces opened around it."""
+        for state in self.states:
+            for g in state.own:
+                g.notice_changes()
+        if ACTIVE_OBSERVERS.get():
+            self.attach_active_observers()
         for o in self.comm.observers:
             o.begin_step()
 
@@ -387,9 +392,16 @@ class FSDPState:
             g.show_form(unsharded=False)
 
     def show_unsharded(self, module: nn.Module, *unused: Any) -> None:
-        """After (load_)state_dict: back to the form the group is in."""
+        """After state_dict: back to the form the group is in."""
         for g in self.groups:
             g.show_form(unsharded=True)
+
+    def after_load(self, module: nn.Module, *unused: Any) -> None:
+        """After load_state_dict: back to the form the group is in; the loaded shards (assigned or
+        copied into) are taken over, and any unsharded copy gathered again, before the next use."""
+        self.show_unsharded(module)
+        for g in self.groups:
+            g.needs_sync = True
 
     # -- lazy init -------------------------------------------------------------------------------
 
@@ -452,6 +464,8 @@ class FSDPState:
             g.settings = self.settings
             if self.settings.reduce_dtype != before.reduce_dtype:
                 g.derive_dtypes()
+            if self.settings.codecs != before.codecs:  # resolved again before the next all-gather
+                g.needs_sync = True
         if "reshard_after_forward" in changes:
             self.resolve_reshard_after_forward()
 
