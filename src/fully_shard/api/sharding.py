@@ -27,7 +27,7 @@ from ..layouts.policy import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy
 from ..runtime.registry import register_original
 from ..features.traps import install_optimizer_check, register_ignored
 from ..features import finite
-from ..features.schedule import ScheduleCheck
+from ..features import schedule
 from ..runtime.state import FSDPState, RootContext
 
 from .module import _replicated_class, _sharded_class
@@ -182,8 +182,7 @@ def _apply(
 def _setup_root(ctx: RootContext) -> None:
     """What a root gets at lazy init beyond the runtime: the finite and schedule checks."""
     finite.configure(ctx)
-    if not any(isinstance(o, ScheduleCheck) for o in ctx.comm.observers):  # roots may share a CommContext
-        ctx.comm.observers.append(ScheduleCheck())
+    schedule.attach_to(ctx)
 
 
 def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_forward: Any) -> list[Any]:

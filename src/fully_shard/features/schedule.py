@@ -14,7 +14,7 @@ mismatched is ever issued, so the process group stays usable.
 Turn it on with ``fully_shard.debug.set_schedule_check(True, timeout=10.0)`` or the environment
 variable ``FULLY_SHARD_CHECK_SCHEDULE=1`` (``FULLY_SHARD_SCHEDULE_TIMEOUT`` seconds, default 10).
 It costs one store round trip per collective (benchmarks/bench_step.py ``--schedule-check``).
-Off, it costs one module-attribute lookup per collective.
+Off, it costs nothing: no root has the observer (`attach_to`).
 
 Each root (each `CommContext`: roots that share one share it) checks through its own
 `ScheduleCheck` observer, with its own sequence numbers, so ranks that run as threads of one
@@ -30,10 +30,11 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..runtime import watchdog
 from ..runtime.collective import Collective
 
 ENV = "FULLY_SHARD_CHECK_SCHEDULE"
@@ -55,8 +56,8 @@ class _Sequence:
 
 
 class ScheduleCheck:
-    """One root's schedule check (a `CommContext` observer). Reads the process-wide setting
-    before each collective: off costs that lookup; turned on, it starts counting afresh."""
+    """One root's schedule check (a `CommContext` observer), attached while the process-wide
+    setting is on (`attach_to`); a new one starts counting afresh."""
 
     def __init__(self) -> None:
         self._run: Optional[_Sequence] = None
@@ -142,6 +143,20 @@ def set_schedule_check(enabled: bool, timeout: float = 10.0) -> None:
     if enabled and not float(timeout) > 0:
         raise ValueError(f"the schedule check's timeout must be > 0 seconds, got {timeout!r}.")
     _timeout = float(timeout) if enabled else None
+    for root in watchdog.roots():  # roots already running; new ones attach at lazy init
+        attach_to(root)
+
+
+def attach_to(root: Any) -> None:
+    """Give ``root`` (a `RootContext`) a `ScheduleCheck` while the check is on, and take it away
+    while it is off (roots sharing a `CommContext` share one)."""
+    observers = root.comm.observers
+    mine = [o for o in observers if isinstance(o, ScheduleCheck)]
+    if _timeout is None:
+        for o in mine:
+            observers.remove(o)
+    elif not mine:
+        observers.append(ScheduleCheck())
 
 
 if os.environ.get(ENV, "").strip().lower() in ("1", "true", "on", "yes"):

@@ -42,9 +42,12 @@ def register_ignored(params: Any) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _checked.get(optimizer) == len(params):
+    count = 0
+    for group in optimizer.param_groups:
+        count += len(group["params"])
+    if _checked.get(optimizer) == count:
         return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     managed, plain = [], []
     for p in params:
         owner = manager_of(p)
@@ -62,7 +65,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             managed.append(owner)
         elif not isinstance(p, DTensor) and p not in _ignored:
             plain.append(p)
-    _checked[optimizer] = len(params)
+    _checked[optimizer] = count
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
         warnings.warn(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -33,18 +33,16 @@ class MeshInfo:
     # `replicate`: a 1-D mesh of replicas, no shard dimension (a shard world of 1; parameters are
     # ``Replicate()`` DTensors on the mesh; gradients are all-reduced over it).
     replicate_only: bool = False
+    is_hsdp: bool = field(init=False)  # a replicate group to all-reduce over
+    # Ranks that see different data: replicas times shards (the default gradient divisor).
+    data_parallel_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_hsdp", self.replicate_group is not None)
+        object.__setattr__(self, "data_parallel_size", self.replicate_size * self.world_size)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "MeshInfo":
         return self  # immutable, and names the shared mesh and process groups a copy runs on too
-
-    @property
-    def is_hsdp(self) -> bool:
-        return self.replicate_group is not None
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks that see different data: replicas times shards (the default gradient divisor)."""
-        return self.replicate_size * self.world_size
 
     @property
     def shard_mesh(self) -> DeviceMesh:

@@ -67,7 +67,7 @@ class Collective:
         dtype = str(self.dtype).replace("torch.", "")
         return f"{self.op.value} of '{self.modules or '<root>'}' ({dtype}, {self.nbytes} bytes)"
 
-    def what(self) -> str:
+    def __str__(self) -> str:
         """How a wait names it: ``the all_gather of 'blocks.1' (forward)``."""
         return f"the {self.op.value} of '{self.modules or '<root>'}' ({self.reason.value})"
 

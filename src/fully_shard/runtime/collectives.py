@@ -43,12 +43,14 @@ def all_gather_copy_in(
     Returns ``(input, output)`` as byte tensors; the input is a view of the output (an in-place
     all-gather), so copy-in costs one buffer, not two.
     """
-    slot = sum(t.numel() for t in inputs)
-    nbytes = slot * dtype.itemsize
+    numels, flats = [], []
+    for t in inputs:
+        numels.append(t.numel())
+        flats.append(t.reshape(-1))
+    nbytes = sum(numels) * dtype.itemsize
     output = empty_buffer(world_size * nbytes, torch.uint8, device, comm)
     ag_input = output.narrow(0, rank * nbytes, nbytes)
-    views = ag_input.view(dtype).split([t.numel() for t in inputs])
-    torch._foreach_copy_(list(views), [t.reshape(-1) for t in inputs])
+    torch._foreach_copy_(list(ag_input.view(dtype).split(numels)), flats)
     return ag_input, output
 
 
@@ -62,7 +64,9 @@ def all_gather(
 
 def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
     """Scatter the ``(W, S)`` all-gather output into each parameter's ``(W, s_i)`` buffer."""
-    split_sizes = [out.shape[1] for out in outs]
+    split_sizes = []
+    for out in outs:
+        split_sizes.append(out.shape[1])
     torch.split_with_sizes_copy(output.view(world_size, -1), split_sizes, dim=1, out=list(outs))
 
 

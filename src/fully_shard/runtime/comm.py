@@ -47,7 +47,7 @@ class Pending:
     keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
     # CPU: work that needs the collective's result, run by the thread that waits (see `CommContext.settle`).
     after: Optional[Callable[[], None]] = None
-    what: str = "a collective"  # how the watchdog names it
+    what: object = "a collective"  # how the watchdog names it (a `Collective`, formatted only then)
     # Exactly one thread may wait on a work: gloo's composite collectives finish writing their
     # output inside wait(), so a second, concurrent wait() can return before the data is there.
     _wait_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -58,7 +58,10 @@ class Pending:
         if self.work is not None:
             with self._wait_lock:
                 if self.work is not None:
-                    watchdog.wait(self.work, self.what)
+                    if watchdog.timeout is None:  # off: nothing else on this path
+                        self.work.wait()
+                    else:
+                        watchdog.wait(self.work, self.what)
                     self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
@@ -129,6 +132,9 @@ class CommContext:
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
         # Who watches the collectives issued under this root: traces, the schedule check.
         self.observers: list[CollectiveObserver] = []
+        # CPU: overlap through async work handles. Accelerator: through streams, with the side
+        # stream itself waiting for the collective (so events order everything).
+        self.async_op = not self.uses_streams
         self.releaser = Releaser()
         weakref.finalize(self, self.releaser.close)
 
@@ -147,12 +153,6 @@ class CommContext:
         else:
             pending.after = after
             self.releaser.submit(pending)
-
-    @property
-    def async_op(self) -> bool:
-        """CPU: overlap through async work handles. Accelerator: through streams, with the
-        side stream itself waiting for the collective (so events order everything)."""
-        return not self.uses_streams
 
     @contextlib.contextmanager
     def on(self, stream: Optional[torch.Stream], after: Optional[torch.Event] = None) -> Iterator[None]:

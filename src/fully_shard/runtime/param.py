@@ -285,7 +285,7 @@ class FSDPParam:
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of the unsharded shape (a view)."""
-        return full.narrow(self.shard_dim, self.where.layout.start, self.where.layout.local_rows)
+        return full.narrow(self.where.layout.dim, self.where.layout.start, self.where.layout.local_rows)
 
     def _empty_shard(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """New shard storage shaped ``shape`` for data like ``like``. A tensor subclass (an
@@ -303,7 +303,7 @@ class FSDPParam:
         )
 
     def _make_local_shard(self, full: torch.Tensor) -> torch.Tensor:
-        if self.shard_dim != 0:
+        if self.where.layout.dim != 0:
             local = self._empty_shard(tuple(self.where.layout.local_shape), full)
             if not full.is_meta:
                 local.copy_(self.local_chunk(full))
@@ -316,14 +316,14 @@ class FSDPParam:
         return self.padded_shard[: self.where.layout.local_rows]
 
     def _spec_mesh_and_placements(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-        placements = self.where.info.placements(self.shard_dim)
+        placements = self.where.info.placements(self.where.layout.dim)
         if self.where.tp is None:
             return self.where.info.mesh, placements
-        return self.where.tp.joint(self.where.info.mesh, placements, self.shard_dim)
+        return self.where.tp.joint(self.where.info.mesh, placements, self.where.layout.dim)
 
     def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         mesh, placements = self._spec_mesh_and_placements()
-        shape = self.where.tp.shape if self.where.tp is not None else self.shape
+        shape = self.where.tp.shape if self.where.tp is not None else self.where.layout.shape
         dtensor = DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
         )
@@ -349,7 +349,7 @@ class FSDPParam:
             shard = self.padded_shard.view(-1)
         else:
             shard = _padded_rows(
-                self.local_shard.movedim(self.shard_dim, 0), self.where.layout.rows, 0, 1
+                self.local_shard.movedim(self.where.layout.dim, 0), self.where.layout.rows, 0, 1
             ).view(-1)
         if self.where.offload:  # to the device (async from pinned memory)
             shard = to_device(shard, self.where.info.device, self.where.pin_memory)
@@ -370,11 +370,11 @@ class FSDPParam:
         local tensor's fsdp_pre/post_all_gather, or a codec)? Switching between the two forms
         drops the unsharded parameter built by the other."""
         hooks = hooks_of(self.local_shard, self.codec, self.path)
-        if hooks is not None and self.shard_dim != 0:
+        if hooks is not None and self.where.layout.dim != 0:
             raise ValueError(
-                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) and "
-                f"is sharded on dim {self.shard_dim}; extensions gather dim-0 shards. Fix: return Shard(0) "
-                "(or None) for it from shard_placement_fn."
+                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) "
+                f"and is sharded on dim {self.where.layout.dim}; extensions gather dim-0 shards. Fix: "
+                "return Shard(0) (or None) for it from shard_placement_fn."
             )
         # Which extension: a codec object, or the local tensor's class (its own methods). Another one
         # (or none) than the unsharded parameter was built by: drop it, start afresh.
@@ -406,7 +406,7 @@ class FSDPParam:
                 hooks = (
                     hooks_of(local, self.codec, self.path) or hooks
                 )  # methods set on the host tensor stay bound to it
-        shape = self.shape  # under TP, the TP-local shape (what this library shards)
+        shape = self.where.layout.shape  # under TP, the TP-local shape (what this library shards)
         inputs = self.ext.inputs(
             hooks,
             local,
@@ -429,7 +429,7 @@ class FSDPParam:
         """Bytes this parameter puts in each rank's row of a full all-gather."""
         if self.ext is not None and self.ext.sizes:
             return self.ext.row_bytes()
-        return self.shard_numel * self.dtypes.param.itemsize
+        return self.where.layout.shard_numel * self.dtypes.param.itemsize
 
     def all_gather_targets(self) -> Optional[list[torch.Tensor]]:
         """Give the unsharded storage its memory back and return where the copy-out writes: one
@@ -438,7 +438,11 @@ class FSDPParam:
         world = self.where.info.world_size
         if self.ext is not None and self.ext.hooks is not None:
             return self.ext.alloc_outputs(world, self.where.info.device)
-        numel = world * self.shard_numel if self.shard_dim == 0 else _numel(self.shape)
+        numel = (
+            world * self.where.layout.shard_numel
+            if self.where.layout.dim == 0
+            else _numel(self.where.layout.shape)
+        )
         storage = self.padded_unsharded.untyped_storage()
         nbytes = numel * self.padded_unsharded.element_size()
         if storage.size() != nbytes:
@@ -448,7 +452,7 @@ class FSDPParam:
                 )
             else:
                 storage.resize_(nbytes)
-        if self.shard_dim != 0:
+        if self.where.layout.dim != 0:
             return None
         return [self.padded_unsharded.view(torch.uint8).view(world, -1)]
 
@@ -460,7 +464,7 @@ class FSDPParam:
         # only when gathering back from reshard_after_forward=int shares.
         rows, (n, *rest) = self.where.layout.rows, self.where.layout.moved_shape
         chunks = gathered.view(outer, world // outer, rows, *rest).flatten(0, 1)
-        target = self._unsharded_view().movedim(self.shard_dim, 0)
+        target = self._unsharded_view().movedim(self.where.layout.dim, 0)
         full = self.where.layout.full_chunks
         if full:
             target[: full * rows].view(full, rows, *rest).copy_(chunks[:full])
@@ -473,16 +477,19 @@ class FSDPParam:
         if self.uses_extension:
             assert self.ext is not None
             return torch.cat(self.ext.gathered_rows(first, count, self.where.info.world_size))
-        if self.shard_dim == 0:
+        if self.where.layout.dim == 0:
             rows = self.padded_unsharded.view(self.where.info.world_size, -1)[first : first + count]
             return rows.reshape(-1).view(torch.uint8)
-        moved = self._unsharded_view().movedim(self.shard_dim, 0)
+        moved = self._unsharded_view().movedim(self.where.layout.dim, 0)
         return _padded_rows(moved, self.where.layout.rows, first, count).view(-1).view(torch.uint8)
 
     def _unsharded_view(self) -> torch.Tensor:
         tensor = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
         return tensor.set_(
-            self.padded_unsharded.untyped_storage(), 0, self.shape, _contiguous_stride(self.shape)
+            self.padded_unsharded.untyped_storage(),
+            0,
+            self.where.layout.shape,
+            _contiguous_stride(self.where.layout.shape),
         )
 
     def _make_unsharded_param(self) -> nn.Parameter:
@@ -502,7 +509,7 @@ class FSDPParam:
         with torch.no_grad():
             tensor = self.ext.rebuild_first(self.dtypes.param, self.path)
             tensor = torch.as_strided(
-                tensor, self.shape, _contiguous_stride(self.shape), 0
+                tensor, self.where.layout.shape, _contiguous_stride(self.where.layout.shape), 0
             )  # drops the padding rows
         if self.where.tp is not None:
             tensor = self.where.tp.unsharded(tensor)
@@ -554,19 +561,20 @@ class FSDPParam:
         self.unsharded_param.grad = None
         if self.where.tp is not None:
             grad = self.where.tp.local_grad(grad)
-        if grad.shape != self.shape:
+        shape = self.where.layout.shape
+        if grad.shape != shape:
             raise RuntimeError(
-                f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(self.shape)}"
+                f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(shape)}"
             )
-        return grad.movedim(self.shard_dim, 0) if self.shard_dim else grad.contiguous()
+        return grad.movedim(self.where.layout.dim, 0) if self.where.layout.dim else grad.contiguous()
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
         grad = padded_grad_shard.view(self.where.layout.rows, *self.where.layout.moved_shape[1:])[
             : self.where.layout.local_rows
         ]
-        if self.shard_dim:
-            grad = grad.movedim(0, self.shard_dim)
+        if self.where.layout.dim:
+            grad = grad.movedim(0, self.where.layout.dim)
         if grad.dtype != self.dtypes.orig:
             grad = grad.to(self.dtypes.orig)
         existing = self.sharded_param.grad
@@ -676,7 +684,7 @@ class FSDPParam:
 
     def _accept_replacement(self, new: object, fqn: str) -> nn.Parameter:
         mesh, placements = self._spec_mesh_and_placements()
-        shape = self.where.tp.shape if self.where.tp is not None else self.shape
+        shape = self.where.tp.shape if self.where.tp is not None else self.where.layout.shape
         expected = f"a DTensor of global shape {tuple(shape)} with placements {placements} on mesh {mesh}"
         owner = manager_of(new) if isinstance(new, nn.Parameter) else None
         if owner is not None and owner is not self:
@@ -744,7 +752,7 @@ class FSDPParam:
         in_place = local.device == self.where.shard_device and (
             not self.where.pin_memory or local.is_pinned()
         )
-        if self.shard_dim != 0:
+        if self.where.layout.dim != 0:
             if not in_place:
                 host = self._empty_shard(tuple(local.shape), local)
                 host.copy_(local)

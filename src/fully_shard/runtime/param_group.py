@@ -68,6 +68,7 @@ class AllGather:
     world: int
     members: list["FSDPParamGroup"]
     extended: bool = False  # some member's parameter all-gathers through an extension (extension.py)
+    slots: int = 1  # > 1: gathering back reshard_after_forward=int shares from world / slots ranks
 
     def finish(self) -> None:
         """Wait for it, then copy out into every member still waiting for it (one that resharded
@@ -75,21 +76,37 @@ class AllGather:
         self.pending.wait()
         rows = self.pending.keep_alive[0].view(self.world, -1)
         self.pending.keep_alive = ()
-        waiting = [g for g in self.members if g._all_gather is self]
+        waiting = []
+        for g in self.members:
+            if g._all_gather is self:
+                waiting.append(g)
         # Per member still waiting, per parameter: its (W, bytes) targets, or None (copy_out fills it).
-        targets = {id(g): [p.all_gather_targets() for p in g.params] for g in waiting}
+        targets: dict[int, list[Any]] = {}
+        outs: Optional[list[torch.Tensor]] = (
+            [] if self.slots == 1 and len(waiting) == len(self.members) else None
+        )
+        for g in waiting:
+            targets[id(g)] = mine = []
+            for p in g.params:
+                target = p.all_gather_targets()
+                mine.append(target)
+                if target is None:
+                    outs = None
+                elif outs is not None:
+                    outs.extend(target)
         # Extension outputs may be the unsharded parameter's own data, which autograd saved:
         # writing them must not bump the version it checks (as for the plain path's own storage).
-        ext = self._extension_outputs(waiting)
+        ext = self._extension_outputs(waiting) if self.extended else ()
         with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
-            self._copy_out(rows, waiting, targets)
+            if outs is not None:  # every member waits, every target a (W, bytes) view: one copy
+                collectives.all_gather_copy_out(rows, self.world, outs)
+            else:
+                self._copy_out(rows, targets)
         for g in waiting:
             g._all_gather = None
             g._mark_unsharded()
 
     def _extension_outputs(self, waiting: list["FSDPParamGroup"]) -> tuple[torch.Tensor, ...]:
-        if not self.extended:
-            return ()
         return tuple(
             t
             for g in waiting
@@ -98,23 +115,15 @@ class AllGather:
             for t in p.ext.outputs
         )
 
-    def _copy_out(
-        self, rows: torch.Tensor, waiting: list["FSDPParamGroup"], targets: dict[int, list[Any]]
-    ) -> None:
-        """One copy when every member waits and every target is a plain (W, bytes) view (the common
-        case); else member by member (``slots`` > 1 only gathering back reshard_after_forward=int
-        shares)."""
-        widths = [g.row_bytes() for g in self.members]
-        slots = rows.shape[1] // sum(widths)
-        flat = [t for ts in targets.values() for t in ts]
-        if slots == 1 and len(waiting) == len(self.members) and all(t is not None for t in flat):
-            collectives.all_gather_copy_out(rows, self.world, [o for t in flat for o in t])
-            return
+    def _copy_out(self, rows: torch.Tensor, targets: dict[int, list[Any]]) -> None:
+        """Member by member: some member resharded meanwhile, a parameter is sharded on a dim
+        other than 0, or ``slots`` > 1."""
         offset = 0
-        for g, width in zip(self.members, widths):
+        for g in self.members:
+            width = self.slots * g.row_bytes()
             if id(g) in targets:
-                g._copy_out(rows[:, offset : offset + slots * width], slots, targets[id(g)])
-            offset += slots * width
+                g._copy_out(rows[:, offset : offset + width], self.slots, targets[id(g)])
+            offset += width
 
 
 @dataclass
@@ -139,7 +148,7 @@ class ReduceScatterPart:
         rank missed some (a host sync on accelerators, in that rare case only)."""
         if not self.missing:
             return [True] * len(self.params)
-        slot = sum(p.shard_numel for p in self.params)
+        slot = sum(p.where.layout.shard_numel for p in self.params)
         counts = self.output.narrow(0, slot, len(self.params)).tolist()
         return [c != 0 for c in counts]
 
@@ -147,8 +156,8 @@ class ReduceScatterPart:
         """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
         offset = 0
         for p in self.params:
-            yield p, self.output.narrow(0, offset, p.shard_numel)
-            offset += p.shard_numel
+            yield p, self.output.narrow(0, offset, p.where.layout.shard_numel)
+            offset += p.where.layout.shard_numel
 
 
 @dataclass
@@ -187,6 +196,8 @@ class FSDPParamGroup:
         # (`sync_params`). True at first: the first unshard resolves extensions, refuses meta.
         self.needs_sync = True
         self.extended = False  # some parameter all-gathers through an extension (extension.py)
+        # How reductions divide, per (reduce dtype, divide factor, force sum): planned once.
+        self._reductions: dict[tuple[torch.dtype, Optional[float], bool], collectives.Reduction] = {}
         # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
         self.post_forward: Optional[PostForwardGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
@@ -283,7 +294,9 @@ class FSDPParamGroup:
         return f"FSDPParamGroup({self.fqn or '<root>'}, {len(self.params)} params, {self.sharded_state.name})"
 
     def _set_sharded_state(self, to: ShardedState) -> None:
-        self.sharded_state = advance(GROUP_STATES, self.sharded_state, to, f"group {self.fqn or '<root>'}")
+        if to is not self.sharded_state and to not in GROUP_STATES[self.sharded_state]:
+            advance(GROUP_STATES, self.sharded_state, to, f"group {self.fqn or '<root>'}")  # raises
+        self.sharded_state = to
 
     @property
     def is_unsharded(self) -> bool:
@@ -345,7 +358,7 @@ class FSDPParamGroup:
         return _GatherPlan(members, None, dtype, self.info.world_size, self.info.rank, self.info.group)
 
     def _issue_gather(self, plan: "_GatherPlan", reason: Reason, after: Optional[torch.Event]) -> None:
-        comm, members, world = self._comm(), plan.members, plan.world
+        comm, members, world = self.comm or self._comm(), plan.members, plan.world
         # not for reshard_after_forward=int regathers:
         custom = self.settings.custom_all_gather if world == self.info.world_size else None
         # inference_mode(False): a first forward under torch.inference_mode must not make the
@@ -356,34 +369,38 @@ class FSDPParamGroup:
             torch.inference_mode(False),
             comm.on(comm.all_gather_stream, after),
         ):
-            inputs = plan.inputs or [t for g in members for t in g._all_gather_inputs(plan.dtype)]
+            inputs = plan.inputs
+            if inputs is None:
+                inputs = []
+                for g in members:
+                    g._all_gather_inputs(plan.dtype, inputs)
             ag_input, output = collectives.all_gather_copy_in(
                 inputs, world, plan.rank, plan.dtype, self.info.device, custom
             )
-            c = Collective(Op.ALL_GATHER, reason, label(members), plan.dtype, output.numel(), plan.group)
+            name = (self.fqn or "<root>") if len(members) == 1 else label(members)
+            c = Collective(Op.ALL_GATHER, reason, name, plan.dtype, output.numel(), plan.group)
             # One rank: the copy-in already wrote the whole output; there is nothing to gather.
             run = functools.partial(
                 collectives.all_gather, output, ag_input, plan.group, comm.async_op, custom
             )
             work = comm.issue(c, run) if world > 1 else None
-            event = comm.record(comm.all_gather_stream)
+            event = comm.record(comm.all_gather_stream) if comm.uses_streams else None
         extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
-        pending = Pending(work=work, event=event, keep_alive=(output,), what=c.what())
-        gather = AllGather(pending, world, members, extended=extended)
+        pending = Pending(work=work, event=event, keep_alive=(output,), what=c)
+        gather = AllGather(pending, world, members, extended, self.info.world_size // world)
         for g in members:
             g._all_gather = gather
 
-    def _all_gather_inputs(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        if dtype != torch.uint8:  # one dtype: copy-in casts each shard in place
-            return [p.all_gather_input() for p in self.params]
-        # Several dtypes, or extensions: each parameter's inputs moved as bytes.
-        inputs: list[torch.Tensor] = []
+    def _all_gather_inputs(self, dtype: torch.dtype, inputs: list[torch.Tensor]) -> None:
+        """Append this group's all-gather inputs to ``inputs``: with one dtype each shard (copy-in
+        casts it in place); with several, or extensions, each parameter's inputs as bytes."""
         for p in self.params:
-            if p.uses_extension:
+            if dtype != torch.uint8:
+                inputs.append(p.all_gather_input())
+            elif p.uses_extension:
                 inputs.extend(p.extension_inputs())
             else:
                 inputs.append(p.all_gather_input_bytes())
-        return inputs
 
     def row_bytes(self) -> int:
         """Bytes this group puts in each rank's row of a full all-gather."""
@@ -414,7 +431,7 @@ class FSDPParamGroup:
         offset = 0
         for p, target in zip(self.params, targets):
             if target is None:  # sharded on another dim: copy_out moves the chunks into place
-                nbytes = slots * p.shard_numel * p.dtypes.param.itemsize
+                nbytes = slots * p.where.layout.shard_numel * p.dtypes.param.itemsize
                 p.copy_out(rows[:, offset : offset + nbytes].view(p.dtypes.param))
                 offset += nbytes
                 continue
@@ -456,7 +473,7 @@ class FSDPParamGroup:
             self._all_gather.pending.wait()
             self._all_gather = None
         self._post_forward_shard = None
-        if self.is_unsharded:
+        if self.sharded_state is ShardedState.UNSHARDED:
             for p in self.params:
                 p.to_sharded()
         self._set_sharded_state(ShardedState.SHARDED)
@@ -490,14 +507,14 @@ class FSDPParamGroup:
         group's bucket instead, which reduces once its last member in backward has added its own.
         Returns the reductions issued (none, one, or a bucket's)."""
         with record_function(f"FSDP::post_backward {self.fqn}"):
-            params, grads = [], []
+            params, grads, any_grad = [], [], False
             for p in self.trainable if sync else ():
                 grad = p.take_unsharded_grad()
                 if grad is not None and self.grad_observer is not None:
                     self.grad_observer(p, grad)
                 if grad is None and self.settings.requires_all_reduce:
                     grad = p.zero_grad_if_partial()  # a deferred HSDP sum still to all-reduce
-                if p.shard_numel == 0:  # a size-0 parameter: nothing to reduce
+                if p.where.layout.shard_numel == 0:  # a size-0 parameter: nothing to reduce
                     if grad is not None:
                         p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.dtypes.reduce))
                     continue
@@ -506,9 +523,10 @@ class FSDPParamGroup:
                 if grad is not None or self.settings.reduce_unused:
                     params.append(p)
                     grads.append(grad)
+                    any_grad = any_grad or grad is not None
             if reshard:
                 self.reshard()
-            if all(g is None for g in grads):  # nothing on this rank: no reduction (as every rank, usually)
+            if not any_grad:  # nothing on this rank: no reduction (as every rank, usually)
                 results = []
             elif bucketed and self.bucket is not None:
                 results = self.bucket.add_grads(self, params, grads, reason)
@@ -550,9 +568,10 @@ class FSDPParamGroup:
             bucket[0].append(p)
             bucket[1].append(g)
         grads.clear()
-        return ReduceScatterResult(
-            [self._reduce_scatter_one(ps, gs, dtype, reason, name) for dtype, (ps, gs) in by_dtype.items()]
-        )
+        parts = []
+        for dtype, (ps, gs) in by_dtype.items():
+            parts.append(self._reduce_scatter_one(ps, gs, dtype, reason, name))
+        return ReduceScatterResult(parts)
 
     def _reduce_scatter_one(
         self,
@@ -566,9 +585,13 @@ class FSDPParamGroup:
         count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
         so every rank receives the totals): a parameter no rank had a gradient for keeps its
         ``.grad`` as it was, as in single-process training."""
-        comm, info, custom = self._comm(), self.info, self.settings.custom_reduce_scatter
-        missing = [i for i, g in enumerate(grads) if g is None]
-        plan = self._reduction(dtype)
+        comm, info, custom = self.comm or self._comm(), self.info, self.settings.custom_reduce_scatter
+        missing = []
+        for i, g in enumerate(grads):
+            if g is None:
+                missing.append(i)
+        key = (dtype, self.settings.gradient_divide_factor, self.settings.force_sum_reduction)
+        plan = self._reductions.get(key) or self._reduction(key)
         with torch.no_grad():
             rs_input, slot = self._reduce_scatter_input(params, grads, missing, dtype, plan.before)
             with comm.on(comm.reduce_scatter_stream):
@@ -588,7 +611,7 @@ class FSDPParamGroup:
                         custom,
                     )
                     work = comm.issue(c, run)
-                pending = Pending(work=work, keep_alive=(rs_input,), what=c.what())
+                pending = Pending(work=work, keep_alive=(rs_input,), what=c)
                 part = ReduceScatterPart(pending, output, params, plan, reason, name, missing=missing)
                 self._settle(part, comm)
         return part
@@ -602,17 +625,20 @@ class FSDPParamGroup:
         if part.pending.event is not None and any(p.where.offload for p in part.params):
             self.offload_events.append(part.pending.event)  # the host waits before the optimizer
 
-    def _reduction(self, dtype: torch.dtype) -> collectives.Reduction:
-        """How this group's reduction in ``dtype`` divides (before, the ops, after)."""
-        info, factor = self.info, self.settings.gradient_divide_factor
-        return collectives.plan_reduction(
+    def _reduction(self, key: tuple[torch.dtype, Optional[float], bool]) -> collectives.Reduction:
+        """How this group's reduction in a dtype divides (before, the ops, after), for ``key``
+        (the dtype and the settings it depends on); planned once per key."""
+        dtype, factor, force_sum = key
+        info = self.info
+        plan = self._reductions[key] = collectives.plan_reduction(
             info.data_parallel_size if factor is None else factor,
             dtype,
             info.world_size,
             info.data_parallel_size,
             info.native_avg,
-            self.settings.force_sum_reduction,
+            force_sum,
         )
+        return plan
 
     def _reduce_scatter_input(
         self,
@@ -627,18 +653,24 @@ class FSDPParamGroup:
         the gradients were made: they can be freed right after with no cross-stream hazard."""
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
-        gdtype = next((g.dtype for g in grads if g is not None), dtype)
-        inputs = [
-            g if g is not None else torch.zeros(p.where.layout.moved_shape, dtype=gdtype, device=device)
-            for p, g in zip(params, grads)
-        ]
+        gdtype = dtype
+        for g in grads:
+            if g is not None:
+                gdtype = g.dtype
+                break
+        inputs, slot = [], 0
+        for p, g in zip(params, grads):
+            slot += p.where.layout.shard_numel
+            if g is None:
+                g = torch.zeros(p.where.layout.moved_shape, dtype=gdtype, device=device)
+            inputs.append(g)
         counted = self.settings.reduce_unused
         if counted:
             had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
             for i in missing:
                 had[i] = 0
             inputs.append(had.expand(self.info.world_size, len(params)))
-        slot = sum(p.shard_numel for p in params) + (len(params) if counted else 0)
+            slot += len(params)
         custom = self.settings.custom_reduce_scatter
         rs_input = collectives.reduce_scatter_copy_in(
             inputs, self.info.world_size, slot, dtype, device, custom
@@ -685,6 +717,10 @@ class FSDPParamGroup:
     def _accumulate(self, part: ReduceScatterPart) -> None:
         if part.plan.after != 1:
             part.output.div_(part.plan.after)
-        for (p, reduced), used in zip(part.slices(), part.used()):
-            if used:  # no rank had a gradient: .grad stays as it was (None, or earlier accumulation)
-                p.accumulate_sharded_grad(reduced)
+        used = part.used() if part.missing else None
+        offset = 0
+        for i, p in enumerate(part.params):
+            numel = p.where.layout.shard_numel
+            if used is None or used[i]:  # no rank had a gradient: .grad stays as it was
+                p.accumulate_sharded_grad(part.output.narrow(0, offset, numel))
+            offset += numel

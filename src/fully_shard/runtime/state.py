@@ -118,7 +118,7 @@ class RootContext:
             for s in self.states
         ]
         self.buckets = plan_buckets(
-            candidates, self.root.settings.bucket_bytes, lambda g: owner[id(g)].follows_default_schedule()
+            candidates, self.root.settings.bucket_bytes, lambda g: owner[id(g)].default_schedule
         )
 
     def post_forward_group(self, info: MeshInfo, size: int) -> PostForwardGroup:
@@ -131,7 +131,10 @@ class RootContext:
     # -- the iteration's lifecycle: hooks report events, the table (ITERATION, below) decides ----
 
     def handle(self, event: Event) -> None:
-        step = step_for(ITERATION, self.phase, event, self.name)
+        step = ITERATION.get((self.phase, event))
+        if step is None:
+            step_for(ITERATION, self.phase, event, self.name)  # raises, naming both
+        assert isinstance(step, Step)  # the iteration's table has no guarded entries
         self.phase = step.to
         try:
             if step.action is not None:
@@ -224,7 +227,8 @@ class RootContext:
                 self.post_forward_order.clear()
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     for g in state.own:
-                        g.wait_for_offloaded_grads()
+                        if g.offload_events:
+                            g.wait_for_offloaded_grads()
                 if self.gradient_check is not None:
                     self.gradient_check.conclude()
 
@@ -250,13 +254,8 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, cast, tree)
 
 
-def _in_backward() -> bool:
-    """Whether autograd is executing a backward node right now (e.g. a checkpoint recompute)."""
-    return torch._C._current_autograd_node() is not None
-
-
 def _is_int_setting(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return type(value) is int  # not a bool
 
 
 class _PostBackwardSignal(torch.autograd.Function):
@@ -350,6 +349,7 @@ class FSDPState:
         self.reshard_after_forward: Union[bool, int] = (
             True if reshard_after_forward is None else reshard_after_forward
         )
+        self.default_schedule = self.follows_default_schedule()  # kept by resolve_reshard_after_forward
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
@@ -466,8 +466,7 @@ class FSDPState:
                 g.derive_dtypes()
             if self.settings.codecs != before.codecs:  # resolved again before the next all-gather
                 g.needs_sync = True
-        if "reshard_after_forward" in changes:
-            self.resolve_reshard_after_forward()
+        self.resolve_reshard_after_forward()
 
     def may_share_collectives(self) -> bool:
         """Whether this module's group may join a bucket at all (see bucket.py): not the root's
@@ -498,6 +497,7 @@ class FSDPState:
         setting = self.settings.reshard_after_forward
         # The root's parameters are needed first in backward, so keeping them is free prefetch.
         self.reshard_after_forward = (not self.is_root) if setting is None else setting
+        self.default_schedule = self.follows_default_schedule()
 
     def root_context(self) -> RootContext:
         """The per-root runtime state this module runs under. Before any forward (an explicit
@@ -509,14 +509,15 @@ class FSDPState:
 
     # -- hooks: each reports one event; the table (MODULE, below) decides what runs ----------------
 
+    # Inside backward (an autograd node runs: activation checkpointing recomputes) or not.
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return self.handle(
-            ModuleEvent.RECOMPUTE if _in_backward() else ModuleEvent.FORWARD, module, args, kwargs
-        )
+        recompute = torch._C._current_autograd_node() is not None
+        return self.handle(ModuleEvent.RECOMPUTE if recompute else ModuleEvent.FORWARD, module, args, kwargs)
 
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        recompute = torch._C._current_autograd_node() is not None
         return self.handle(
-            ModuleEvent.RECOMPUTE_DONE if _in_backward() else ModuleEvent.FORWARD_DONE, module, output
+            ModuleEvent.RECOMPUTE_DONE if recompute else ModuleEvent.FORWARD_DONE, module, output
         )
 
     def pre_backward(self, *unused: Any) -> None:
@@ -533,7 +534,17 @@ class FSDPState:
         self.handle(ModuleEvent.RESET)
 
     def handle(self, event: ModuleEvent, *payload: Any) -> Any:
-        step = step_for(MODULE, self.phase, event, self.name, self, *payload)
+        step = MODULE.get((self.phase, event))
+        if type(step) is tuple:  # guarded steps: the first whose guard holds
+            for s in step:
+                if s.when is None or s.when(self, *payload):
+                    step = s
+                    break
+            else:
+                step = None
+        if step is None:
+            step = step_for(MODULE, self.phase, event, self.name)  # raises, naming the module and both
+        assert isinstance(step, Step)
         self.phase = step.to
         result = step.action(self, *payload) if step.action is not None else None
         if step.then is not None:
@@ -547,10 +558,11 @@ class FSDPState:
     ) -> tuple[tuple, dict, Optional[torch.Event]]:
         """Lazy init; the root moves the inputs to the device and reports to its iteration; inputs
         cast to the compute dtype. Returns the post-optimizer event the first all-gather waits for."""
-        ctx = self.root_context()
+        ctx = self.ctx or self.root_context()
         after: Optional[torch.Event] = None
         if self.is_root:
-            args, kwargs = self._move_inputs(args, kwargs)
+            if self.info.device.type != "cpu":
+                args, kwargs = self._move_inputs(args, kwargs)
             ctx.handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
             if not in_backward:  # accelerators: the first all-gather waits only for the optimizer step
                 after, self.post_optim_event = self.post_optim_event, None
@@ -576,8 +588,11 @@ class FSDPState:
             for target in self.settings.forward_prefetch or ():
                 for g in target.own:
                     g.unshard(Reason.FORWARD_PREFETCH)
-            if torch.is_grad_enabled() and any(g.trainable for g in self.own):
-                args, kwargs = self._attach_post_backward_signal(args, kwargs)
+            if torch.is_grad_enabled():
+                for g in self.own:
+                    if g.trainable:
+                        args, kwargs = self._attach_post_backward_signal(args, kwargs)
+                        break
         return args, kwargs
 
     def _check_prefetch_target(self, target: "FSDPState", method: str) -> None:
@@ -612,7 +627,8 @@ class FSDPState:
     def finish_output(self, module: nn.Module, output: Any) -> Any:
         """Post-forward of each module of the call: cast the output; the root reshards bucket
         members its forward skipped; outputs hooked for backward."""
-        output = self._cast_output(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
         if self.is_root and self.ctx is not None:
             for bucket in self.ctx.buckets:
                 bucket.reshard_unused()
@@ -639,23 +655,22 @@ class FSDPState:
                     continue  # a module still inside its forward uses these parameters (tied weights)
                 if not grad_enabled or self.reshard_after_forward is True:
                     g.reshard()
-                elif _is_int_setting(self.reshard_after_forward) and g.post_forward is not None:
+                elif type(self.reshard_after_forward) is int and g.post_forward is not None:
                     g.reshard_to_post_forward()
             if grad_enabled and self.own:
-                self.root_context().post_forward_order.append(self)
+                (self.ctx or self.root_context()).post_forward_order.append(self)
         return output
 
     def after_recompute(self, module: nn.Module, output: Any) -> Any:
         """Cast the output. Inside backward nothing else: backward needs these parameters next,
         and its own post-backward reshards them."""
-        return self._cast_output(output)
-
-    def _cast_output(self, output: Any) -> Any:
         dtype = self.mp_policy.output_dtype
         return _cast_floats(output, dtype) if dtype is not None else output
 
     def members_left(self, module: nn.Module, output: Any) -> bool:
         """Guard: other modules of a list-form call have not finished this forward yet."""
+        if len(self.modules) == 1:
+            return False
         return len(self._members_done | {self._member_index(module)}) < len(self.modules)
 
     def is_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -668,8 +683,6 @@ class FSDPState:
 
     def _move_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         device = self.info.device
-        if device.type == "cpu":
-            return args, kwargs
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t if t.device == device else t.to(device, non_blocking=True)
@@ -678,17 +691,24 @@ class FSDPState:
 
     def _attach_post_backward_signal(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        positions, tensors = [], []
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                positions.append(i)
+                tensors.append(x)
         if not positions:
             return args, kwargs  # no signal possible: the end-of-backward callback reduces this group
-        outs = _PostBackwardSignal.apply(self, *(flat[i] for i in positions))
+        outs = _PostBackwardSignal.apply(self, *tensors)
         for i, out in zip(positions, outs):
             flat[i] = out
         self._signals_pending += 1
         return tree_unflatten(flat, spec)
 
     def _hook_outputs_for_backward(self, output: Any) -> Any:
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = []
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
         return output
@@ -696,7 +716,7 @@ class FSDPState:
     # -- backward --------------------------------------------------------------------------------
 
     def unshard_for_backward(self) -> None:
-        ctx = self.root_context()
+        ctx = self.ctx or self.root_context()
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             if self.settings.unshard_in_backward:  # a no-op when the previous group's backward prefetched it
@@ -724,18 +744,15 @@ class FSDPState:
         self._post_backward(Reason.BACKWARD)
 
     def _post_backward(self, reason: Reason) -> None:
-        bucketed = self.follows_default_schedule()
-        results = [
-            r
-            for g in self.own
-            for r in g.post_backward(
+        s, results = self.settings, []
+        for g in self.own:
+            results += g.post_backward(
                 reason,
-                sync=self.settings.requires_gradient_sync,
-                reshard=self.settings.reshard_after_backward,
-                bucketed=bucketed,
+                sync=s.requires_gradient_sync,
+                reshard=s.reshard_after_backward,
+                bucketed=self.default_schedule,
             )
-        ]
-        self.root_context().start_reduce(results)
+        (self.ctx or self.root_context()).start_reduce(results)
 
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""

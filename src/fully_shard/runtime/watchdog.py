@@ -2,7 +2,7 @@
 and every thread's Python stack to stderr; the wait goes on.
 
 Turn it on with ``fully_shard.debug.set_watchdog(seconds)`` or ``FULLY_SHARD_WATCHDOG=seconds``.
-Off, a wait costs one module-attribute lookup.
+Off, a wait costs one module-attribute lookup (`comm.Pending.wait` reads ``timeout``).
 
 Imports: torch only (the comm layer waits through `wait`).
 """
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 ENV_WATCHDOG = "FULLY_SHARD_WATCHDOG"
 
-_watchdog: Optional[float] = None
+timeout: Optional[float] = None  # seconds; None: off
 _roots: "weakref.WeakSet[Any]" = weakref.WeakSet()  # RootContexts (anything with describe() -> list[str])
 
 
@@ -30,22 +30,28 @@ def set_watchdog(seconds: Optional[float]) -> None:
     flight) and every thread's Python stack; the wait goes on. ``None``: off. CPU waits only: on
     accelerators the host does not wait for collectives (streams do; PyTorch's NCCL watchdog and
     flight recorder cover those)."""
-    global _watchdog
+    global timeout
     if seconds is not None and not seconds > 0:
         raise ValueError(f"set_watchdog expects seconds > 0 or None (off), got {seconds!r}.")
-    _watchdog = None if seconds is None else float(seconds)
+    timeout = None if seconds is None else float(seconds)
 
 
 def register_root(root: Any) -> None:
     _roots.add(root)
 
 
-def wait(work: Any, what: str) -> None:
-    """``work.wait()``, under the watchdog's timer when it is on (off: nothing else on this path)."""
-    if _watchdog is None:
+def roots() -> list[Any]:
+    """Every live root (`RootContext`) in the process: what the watchdog dumps, and what a check
+    turned on later attaches to (`fully_shard.debug.set_schedule_check`)."""
+    return list(_roots)
+
+
+def wait(work: Any, what: object) -> None:
+    """``work.wait()`` under the watchdog's timer (on); ``what`` names the collective."""
+    if timeout is None:
         work.wait()
         return
-    timer = threading.Timer(_watchdog, _dump, args=(what, _watchdog))
+    timer = threading.Timer(timeout, _dump, args=(what, timeout))
     timer.daemon = True
     timer.start()
     try:
@@ -54,7 +60,7 @@ def wait(work: Any, what: str) -> None:
         timer.cancel()
 
 
-def _dump(what: str, seconds: float) -> None:
+def _dump(what: object, seconds: float) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     lines = [f"fully_shard watchdog: rank {rank} has waited more than {seconds:g} s for {what}. FSDP state:"]
     for root in list(_roots):
