@@ -313,18 +313,7 @@ class FSDPModule:
         the default chooses floating-point parameters of 2 or more dims. ``recurse``: every
         ``fully_shard`` module under this one too.
         """
-        if codec is not None and not (
-            callable(getattr(codec, "pre_all_gather", None))
-            and callable(getattr(codec, "post_all_gather", None))
-        ):
-            raise TypeError(
-                "set_all_gather_codec expects a codec with pre_all_gather and post_all_gather methods (or "
-                f"None), got {type(codec).__name__}. Fix: pass e.g. fully_shard.quant.Int8AllGather()."
-            )
-        if params is not None and not callable(params):
-            raise TypeError(
-                f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}."
-            )
+        _check_codec_args(codec, params)
         choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
         # (checked below: a chosen parameter sharded on another dim, or not floating point, is refused)
         prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
@@ -345,19 +334,7 @@ class FSDPModule:
                 + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
             )
         if codec is not None:
-            bad = [(n, fp) for fp, n, _ in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
-            if bad:
-                name, fp = bad[0]
-                why = (
-                    f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)"
-                    if fp.shard_dim
-                    else f"has dtype {fp.dtype}"
-                )
-                raise ValueError(
-                    f"set_all_gather_codec: parameter '{name}' {why}; nothing was changed. Fix: leave it out "
-                    "with params=lambda name, p: ... (the default takes every floating-point parameter of "
-                    "2+ dims)."
-                )
+            _refuse_codec_misfits([(n, fp) for fp, n, _ in chosen])
         for state in {id(s): s for _, _, s in chosen}.values():
             names = {fp.fqn for fp, _, s in chosen if s is state}
             kept = tuple((n, c) for n, c in state.settings.codecs if n not in names)
@@ -504,3 +481,35 @@ class ReplicateModule(FSDPModule):
 def _replicated_class(cls: type) -> type:
     attrs = {"__module__": cls.__module__, "_fsdp_original_class": cls}
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs)
+
+
+def _check_codec_args(codec: Any, params: Any) -> None:
+    """`FSDPModule.set_all_gather_codec`'s arguments: a codec (or None) and a filter (or None)."""
+    if codec is not None and not (
+        callable(getattr(codec, "pre_all_gather", None)) and callable(getattr(codec, "post_all_gather", None))
+    ):
+        raise TypeError(
+            "set_all_gather_codec expects a codec with pre_all_gather and post_all_gather methods (or "
+            f"None), got {type(codec).__name__}. Fix: pass e.g. fully_shard.quant.Int8AllGather()."
+        )
+    if params is not None and not callable(params):
+        raise TypeError(
+            f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}."
+        )
+
+
+def _refuse_codec_misfits(chosen: list[tuple[str, Any]]) -> None:
+    """A codec gathers floating-point dim-0 shards: refuse any other chosen parameter, by name."""
+    bad = [(n, fp) for n, fp in chosen if fp.shard_dim != 0 or not fp.dtype.is_floating_point]
+    if bad:
+        name, fp = bad[0]
+        why = (
+            f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)"
+            if fp.shard_dim
+            else f"has dtype {fp.dtype}"
+        )
+        raise ValueError(
+            f"set_all_gather_codec: parameter '{name}' {why}; nothing was changed. Fix: leave it out "
+            "with params=lambda name, p: ... (the default takes every floating-point parameter of "
+            "2+ dims)."
+        )

@@ -160,13 +160,7 @@ def _apply(
     ]
     for (original, _), managed in zip(found.own, params):
         register_original(original, managed)
-    # One group per mesh, the call's own mesh first: each communicates over its own ranks.
-    by_mesh: dict[int, list[FSDPParam]] = {id(info): []}
-    for p in params:
-        by_mesh.setdefault(id(p.info), []).append(p)
-    own = [FSDPParamGroup(ps, ps[0].info, fqn="") for ps in by_mesh.values() if ps]
-    group = own[0] if own and own[0].info is info else None
-    extra = own[1:] if group is not None else own
+    group, extra = _groups_by_mesh(params, info)
     borrowed: list[FSDPParamGroup] = []
     for owner, places in found.borrowed:  # tied to a parameter an earlier call manages
         owner.add_places(places)
@@ -177,6 +171,17 @@ def _apply(
     state.setup_root = _setup_root
     for m in modules:
         _install(m, state, make_class)
+
+
+def _groups_by_mesh(params: list[FSDPParam], info: Any) -> tuple[Optional[FSDPParamGroup], list[Any]]:
+    """One group per mesh, each communicating over its own ranks: the one on the call's mesh
+    (None if no parameter stayed there) and the others, in the order their meshes appear."""
+    by_mesh: dict[int, list[FSDPParam]] = {id(info): []}
+    for p in params:
+        by_mesh.setdefault(id(p.info), []).append(p)
+    own = [FSDPParamGroup(ps, ps[0].info, fqn="") for ps in by_mesh.values() if ps]
+    group = own[0] if own and own[0].info is info else None
+    return group, own[1:] if group is not None else own
 
 
 def _setup_root(ctx: RootContext) -> None:

@@ -696,11 +696,8 @@ class FSDPParam:
             )
         if isinstance(new, DTensor):
             if new.shape == shape and new.device_mesh == mesh and tuple(new.placements) == placements:
-                return (
-                    new
-                    if isinstance(new, nn.Parameter)
-                    else nn.Parameter(new, requires_grad=self.requires_grad)
-                )
+                keep = isinstance(new, nn.Parameter)
+                return new if keep else nn.Parameter(new, requires_grad=self.requires_grad)
             got = (
                 f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on "
                 f"mesh {new.device_mesh}"
@@ -731,16 +728,7 @@ class FSDPParam:
         if local.is_meta:
             return  # meta-device init: shapes only until to_empty; unshard refuses to gather it
         if local.device != self.where.shard_device and not (adopt_device and self.where.offload):
-            where = (
-                "CPUOffloadPolicy keeps its shard on cpu"
-                if self.where.offload
-                else f"its mesh computes on {self.where.info.device}"
-            )
-            raise RuntimeError(
-                f"parameter {self.path} is on {local.device} after fully_shard, but {where}. Fix: move the "
-                f"module before fully_shard, or to_empty(device='{self.where.info.device}') a "
-                "meta-initialised one (fully_shard keeps offloaded shards on the host)."
-            )
+            self._refuse_device(local)
         padded = self.padded_shard
         if (
             padded is not None
@@ -766,6 +754,18 @@ class FSDPParam:
         padded[local.shape[0] :].zero_()
         self.padded_shard = padded
         self._set_local(local, padded[: local.shape[0]])
+
+    def _refuse_device(self, local: torch.Tensor) -> None:
+        where = (
+            "CPUOffloadPolicy keeps its shard on cpu"
+            if self.where.offload
+            else f"its mesh computes on {self.where.info.device}"
+        )
+        raise RuntimeError(
+            f"parameter {self.path} is on {local.device} after fully_shard, but {where}. Fix: move the "
+            f"module before fully_shard, or to_empty(device='{self.where.info.device}') a "
+            "meta-initialised one (fully_shard keeps offloaded shards on the host)."
+        )
 
     def _set_local(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """Make ``new`` the sharded parameter's local tensor in place of ``old``. All-gather

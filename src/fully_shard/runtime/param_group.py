@@ -586,14 +586,10 @@ class FSDPParamGroup:
         so every rank receives the totals): a parameter no rank had a gradient for keeps its
         ``.grad`` as it was, as in single-process training."""
         comm, info, custom = self.comm or self._comm(), self.info, self.settings.custom_reduce_scatter
-        missing = []
-        for i, g in enumerate(grads):
-            if g is None:
-                missing.append(i)
         key = (dtype, self.settings.gradient_divide_factor, self.settings.force_sum_reduction)
         plan = self._reductions.get(key) or self._reduction(key)
         with torch.no_grad():
-            rs_input, slot = self._reduce_scatter_input(params, grads, missing, dtype, plan.before)
+            rs_input, slot, missing = self._reduce_scatter_input(params, grads, dtype, plan.before)
             with comm.on(comm.reduce_scatter_stream):
                 nbytes = rs_input.numel() * rs_input.element_size()
                 c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, info.group, plan)
@@ -601,16 +597,8 @@ class FSDPParamGroup:
                     output, work = rs_input, None
                 else:
                     output = collectives.empty_buffer(slot, dtype, info.device, custom)
-                    run = functools.partial(
-                        collectives.reduce_scatter,
-                        output,
-                        rs_input,
-                        info.group,
-                        comm.async_op,
-                        plan.op,
-                        custom,
-                    )
-                    work = comm.issue(c, run)
+                    args = (output, rs_input, info.group, comm.async_op, plan.op, custom)
+                    work = comm.issue(c, functools.partial(collectives.reduce_scatter, *args))
                 pending = Pending(work=work, keep_alive=(rs_input,), what=c)
                 part = ReduceScatterPart(pending, output, params, plan, reason, name, missing=missing)
                 self._settle(part, comm)
@@ -644,13 +632,13 @@ class FSDPParamGroup:
         self,
         params: list[FSDPParam],
         grads: list[Optional[torch.Tensor]],
-        missing: list[int],
         dtype: torch.dtype,
         before: float,
-    ) -> tuple[torch.Tensor, int]:
-        """The flat reduce-scatter input (zeros for missing gradients, then the used-counts) and each
-        rank's slot size. Copy-in (and the cast to the reduce dtype) runs on the compute stream, where
-        the gradients were made: they can be freed right after with no cross-stream hazard."""
+    ) -> tuple[torch.Tensor, int, list[int]]:
+        """The flat reduce-scatter input (zeros for missing gradients, then the used-counts), each
+        rank's slot size, and the positions this rank had no gradient for. Copy-in (and the cast to
+        the reduce dtype) runs on the compute stream, where the gradients were made: they can be
+        freed right after with no cross-stream hazard."""
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = dtype
@@ -658,10 +646,11 @@ class FSDPParamGroup:
             if g is not None:
                 gdtype = g.dtype
                 break
-        inputs, slot = [], 0
-        for p, g in zip(params, grads):
+        inputs, slot, missing = [], 0, []
+        for i, (p, g) in enumerate(zip(params, grads)):
             slot += p.where.layout.shard_numel
             if g is None:
+                missing.append(i)
                 g = torch.zeros(p.where.layout.moved_shape, dtype=gdtype, device=device)
             inputs.append(g)
         counted = self.settings.reduce_unused
@@ -679,7 +668,7 @@ class FSDPParamGroup:
         inputs.clear()
         if before != 1:
             rs_input.div_(before)
-        return rs_input, slot
+        return rs_input, slot, missing
 
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
         """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this

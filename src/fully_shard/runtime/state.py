@@ -346,13 +346,10 @@ class FSDPState:
         self.post_optim_event: Optional[torch.Event] = None
         # share_comm_ctx: roots that share one CommContext (streams, release worker, traces).
         self.shared_comm: Optional[SharedComm] = None
-        self.reshard_after_forward: Union[bool, int] = (
-            True if reshard_after_forward is None else reshard_after_forward
-        )
-        self.default_schedule = self.follows_default_schedule()  # kept by resolve_reshard_after_forward
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
+        self.resolve_reshard_after_forward()  # reshard_after_forward and default_schedule
         self.phase = TrainingPhase.IDLE  # this module's lifecycle (the table MODULE)
         # Post-backward signals attached in forward that have not fired yet: the group reduces
         # at the last one, i.e. after the backward of its *first* forward use.
@@ -496,7 +493,7 @@ class FSDPState:
     def resolve_reshard_after_forward(self) -> None:
         setting = self.settings.reshard_after_forward
         # The root's parameters are needed first in backward, so keeping them is free prefetch.
-        self.reshard_after_forward = (not self.is_root) if setting is None else setting
+        self.reshard_after_forward: Union[bool, int] = (not self.is_root) if setting is None else setting
         self.default_schedule = self.follows_default_schedule()
 
     def root_context(self) -> RootContext:
