@@ -470,3 +470,28 @@ def test_changes_are_noticed_by_events_not_polling(ranks, world_size):
         assert r["swapped"] == ["2"], r  # found at the root's forward start
         for key in ("after_assign", "after_swap"):
             assert r[key]["loss_diff"] <= TOL64 and r[key]["param_diff"] <= TOL64, (key, r)
+
+
+def _deleted_param_refused(how: str) -> str:
+    """nn.Module reports neither ``del module.weight`` nor ``module.weight = None`` to the
+    registration hook: the root's forward start finds it, and the next unshard refuses it."""
+    model, _ = nested_mlp_and_reference()
+    x = mlp_batch(0)[0]
+    model(x).sum().backward()
+    if how == "none":
+        model[0][0].weight = None
+    else:
+        del model[0][0].weight
+    try:
+        model(x)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_deleted_parameter_is_refused_not_restored(ranks, world_size):
+    for how in ("none", "del"):
+        for error in ranks(world_size).run(_deleted_param_refused, how):
+            assert "parameter '0.0.weight' was replaced after fully_shard by nothing (it was deleted)" in error, error
+            assert "Fix: assign a tensor of that global shape" in error, error

@@ -260,9 +260,10 @@ class FSDPParamGroup:
     def notice_changes(self) -> None:
         """What no event reports, looked for once per iteration (the root's forward starts) and
         before an explicit unshard: a shard's local tensor swapped under its DTensor (``.data =``,
-        ``.to()`` on a module ``fully_shard`` was not applied to), ``requires_grad`` flipped, or a
+        ``.to()`` on a module ``fully_shard`` was not applied to), ``requires_grad`` flipped, a
         shard written while an unsharded copy of it is held (an optimizer step after a forward
-        whose backward never ran). Any of them: the next unshard takes it over (`sync_params`).
+        whose backward never ran), a parameter deleted or set to None (nn.Module's registration
+        hook fires for neither). Any of them: the next unshard takes it over (`sync_params`).
 
         DTensor runs in-place ops on its local tensor below autograd, so the local tensor's own
         version counter misses optimizer steps and ``load_state_dict``; the outer DTensor's sees
@@ -279,6 +280,11 @@ class FSDPParamGroup:
             ):
                 self.needs_sync = True
                 return
+            for place in p.places:
+                held = place.module._parameters.get(place.name)
+                if held is None or (held is not sp and held is not p.unsharded_param):
+                    self.needs_sync = True
+                    return
 
     def _refuse_meta(self, adopt_device: bool) -> None:
         on_meta = [p.path for p in self.params if p.local_shard.is_meta]
@@ -636,9 +642,8 @@ class FSDPParamGroup:
         before: float,
     ) -> tuple[torch.Tensor, int, list[int]]:
         """The flat reduce-scatter input (zeros for missing gradients, then the used-counts), each
-        rank's slot size, and the positions this rank had no gradient for. Copy-in (and the cast to
-        the reduce dtype) runs on the compute stream, where the gradients were made: they can be
-        freed right after with no cross-stream hazard."""
+        rank's slot size, and where this rank had no gradient. Copied (and cast) on the compute
+        stream, where the gradients were made: freed right after, with no cross-stream hazard."""
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = dtype
