@@ -58,10 +58,11 @@ class Pending:
         if self.work is not None:
             with self._wait_lock:
                 if self.work is not None:
-                    if watchdog.timeout is None:  # off: nothing else on this path
+                    seconds = watchdog.timeout  # read once: None (off) means nothing else on this path
+                    if seconds is None:
                         self.work.wait()
                     else:
-                        watchdog.wait(self.work, self.what)
+                        watchdog.wait(self.work, self.what, seconds)
                     self.work = None
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)

@@ -364,7 +364,7 @@ class FSDPParamGroup:
         return _GatherPlan(members, None, dtype, self.info.world_size, self.info.rank, self.info.group)
 
     def _issue_gather(self, plan: "_GatherPlan", reason: Reason, after: Optional[torch.Event]) -> None:
-        comm, members, world = self.comm or self._comm(), plan.members, plan.world
+        comm, members, world = self._comm(), plan.members, plan.world
         # not for reshard_after_forward=int regathers:
         custom = self.settings.custom_all_gather if world == self.info.world_size else None
         # inference_mode(False): a first forward under torch.inference_mode must not make the
@@ -390,7 +390,7 @@ class FSDPParamGroup:
                 collectives.all_gather, output, ag_input, plan.group, comm.async_op, custom
             )
             work = comm.issue(c, run) if world > 1 else None
-            event = comm.record(comm.all_gather_stream) if comm.uses_streams else None
+            event = comm.record(comm.all_gather_stream)
         extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
         pending = Pending(work=work, event=event, keep_alive=(output,), what=c)
         gather = AllGather(pending, world, members, extended, self.info.world_size // world)
@@ -591,7 +591,7 @@ class FSDPParamGroup:
         count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
         so every rank receives the totals): a parameter no rank had a gradient for keeps its
         ``.grad`` as it was, as in single-process training."""
-        comm, info, custom = self.comm or self._comm(), self.info, self.settings.custom_reduce_scatter
+        comm, info, custom = self._comm(), self.info, self.settings.custom_reduce_scatter
         key = (dtype, self.settings.gradient_divide_factor, self.settings.force_sum_reduction)
         plan = self._reductions.get(key) or self._reduction(key)
         with torch.no_grad():

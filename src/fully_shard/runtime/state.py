@@ -555,7 +555,7 @@ class FSDPState:
     ) -> tuple[tuple, dict, Optional[torch.Event]]:
         """Lazy init; the root moves the inputs to the device and reports to its iteration; inputs
         cast to the compute dtype. Returns the post-optimizer event the first all-gather waits for."""
-        ctx = self.ctx or self.root_context()
+        ctx = self.root_context()
         after: Optional[torch.Event] = None
         if self.is_root:
             if self.info.device.type != "cpu":
@@ -655,7 +655,7 @@ class FSDPState:
                 elif type(self.reshard_after_forward) is int and g.post_forward is not None:
                     g.reshard_to_post_forward()
             if grad_enabled and self.own:
-                (self.ctx or self.root_context()).post_forward_order.append(self)
+                self.root_context().post_forward_order.append(self)
         return output
 
     def after_recompute(self, module: nn.Module, output: Any) -> Any:
@@ -713,7 +713,7 @@ class FSDPState:
     # -- backward --------------------------------------------------------------------------------
 
     def unshard_for_backward(self) -> None:
-        ctx = self.ctx or self.root_context()
+        ctx = self.root_context()
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             if self.settings.unshard_in_backward:  # a no-op when the previous group's backward prefetched it
@@ -749,7 +749,7 @@ class FSDPState:
                 reshard=s.reshard_after_backward,
                 bucketed=self.default_schedule,
             )
-        (self.ctx or self.root_context()).start_reduce(results)
+        self.root_context().start_reduce(results)
 
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""

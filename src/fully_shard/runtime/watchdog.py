@@ -46,12 +46,9 @@ def roots() -> list[Any]:
     return list(_roots)
 
 
-def wait(work: Any, what: object) -> None:
-    """``work.wait()`` under the watchdog's timer (on); ``what`` names the collective."""
-    if timeout is None:
-        work.wait()
-        return
-    timer = threading.Timer(timeout, _dump, args=(what, timeout))
+def wait(work: Any, what: object, seconds: float) -> None:
+    """``work.wait()`` under a ``seconds`` timer (the watchdog is on); ``what`` names the collective."""
+    timer = threading.Timer(seconds, _dump, args=(what, seconds))
     timer.daemon = True
     timer.start()
     try:
