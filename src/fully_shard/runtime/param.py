@@ -648,7 +648,9 @@ class FSDPParam:
           ``fully_shard``, e.g. ``block.requires_grad_(False)``) carries over to the unsharded one,
           so a frozen parameter gets no gradient and an unfrozen one trains.
 
-        Cheap when nothing changed: one identity check per place and one for the local tensor.
+        Runs only when something reported a change (`FSDPParamGroup.needs_sync`), and after
+        ``_apply``; cheap when nothing changed: one identity check per place and one for the local
+        tensor.
         """
         changed = self._adopt_assigned()
         frozen_or_thawed = self.sharded_param.requires_grad != self.requires_grad
