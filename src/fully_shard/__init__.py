@@ -1,16 +1,9 @@
 """fully_shard: FSDP2-style sharding of parameters, gradients and optimizer state.
 
-Public names only. The package is layered; each layer may import only the ones above it in this
-list (`tests/test_layers.py` enforces it), and each subpackage's docstring says what it owns:
-
-* ``layouts/``  - policies, shard layout arithmetic, meshes, tensor-parallel specs (pure descriptions)
-* ``runtime/``  - the engine: states, groups, parameters, lifecycles, collectives and where they run
-* ``features/`` - optional features and checks built on the runtime (offload choosers, the finite and
-  schedule checks, the optimizer traps); ``quant.py`` (a codec) is one too
-* ``api/``      - what users call: ``fully_shard``, ``replicate``, ``FSDPModule``, ``unsharded``,
-  ``clip_grad_norm_``, and the checks of their arguments
-* ``tools/``, ``debug.py``, ``plan/`` - tools: traces, live-byte counting, the planner
-* ``fsdp1/``    - FSDP1's API on the engine
+Public names only. Each layer imports only those listed before it (`tests/test_layers.py` checks;
+each subpackage's docstring says what it owns): ``layouts/`` (policies, shard arithmetic, meshes),
+``runtime/`` (the engine), ``features/`` and ``quant.py`` (optional features and checks), ``api/``
+(what users call), ``tools/``, ``debug.py`` and ``plan/`` (traces, memory, the planner), ``fsdp1/``.
 """
 
 from . import debug, quant
@@ -30,8 +23,7 @@ from .features.finite import NonFinite, NonFiniteGradients
 from .features.offload import OffloadPlan, offload_by_budget
 from .layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-# `from fully_shard import fully_shard` gives the function; these keep the package-style
-# spellings (`fully_shard.unsharded(...)`, `fully_shard.debug.trace()`) working on it too.
+# `from fully_shard import fully_shard` gives the function: keep `fully_shard.debug.trace()` etc. working.
 fully_shard.unsharded = unsharded  # type: ignore[attr-defined]
 fully_shard.offload_by_budget = offload_by_budget  # type: ignore[attr-defined]
 fully_shard.debug = debug  # type: ignore[attr-defined]

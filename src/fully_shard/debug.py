@@ -5,10 +5,8 @@
         loss.backward()
     print(t.summary())
 
-A trace attaches to every root whose forward (or explicit ``unshard``) starts inside the
-``with`` block, and from then on sees all of that root's collectives, including those issued from
-backward on an accelerator's autograd thread. Which traces are active is a ``ContextVar``, so
-ranks that run as threads of one process each see only their own.
+It sees every root whose forward (or ``unshard``) starts inside the block. Active traces are a
+``ContextVar``, so ranks run as threads of one process each see only their own.
 """
 
 from __future__ import annotations
@@ -25,20 +23,17 @@ from .runtime.collective import ACTIVE_OBSERVERS, Collective
 
 # Public as fully_shard.debug.*:
 from .features.schedule import ScheduleDivergence, set_schedule_check  # noqa: F401
-from .runtime.watchdog import set_watchdog  # noqa: F401  (public: fully_shard.debug.set_watchdog)
+from .runtime.watchdog import set_watchdog  # noqa: F401
 
 
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective as issued by this rank.
 
-    ``step`` counts root forwards inside the trace (0, 1, ...). ``phase`` says why it ran:
-    ``forward``, ``backward``, ``forward_prefetch``, ``backward_prefetch``, ``explicit``
-    (``FSDPModule.unshard``), ``unsharded_context``, or ``end_of_backward`` (a reduce-scatter the
-    end-of-backward callback issued because no post-backward signal fired for that group); with
-    ``trace(dtensor=True)`` also ``dtensor_forward`` / ``dtensor_backward`` (DTensor's own
-    collectives, e.g. tensor parallel's; ``module`` is then the innermost module running).
-    ``nbytes`` is the size of the all-gather output / reduce-scatter input on this rank.
+    ``step`` counts root forwards in the trace. ``phase`` says why it ran: ``forward``, ``backward``,
+    ``forward_prefetch``, ``backward_prefetch``, ``explicit`` (``unshard``), ``unsharded_context``,
+    ``end_of_backward`` (no post-backward signal fired for that group), or with ``dtensor=True``
+    ``dtensor_forward`` / ``dtensor_backward``. ``nbytes``: all-gather output / reduce-scatter input.
     """
 
     step: int
@@ -49,22 +44,20 @@ class CollectiveRecord:
     nbytes: int
     group_size: int
     group_name: str
-    # Reductions: the collective's reduce op ("sum", "avg", "premul_sum") and the divisions we do
-    # around it (a reduce-scatter's ``pre_divide`` applies to its input, ``post_divide`` to the output).
+    # Reductions: "sum", "avg" or "premul_sum", and our divisions of the input and the output.
     reduce_op: str = ""
     pre_divide: float = 1.0
     post_divide: float = 1.0
-    # The lowest and highest global rank in the group (which nodes it spans: fully_shard.plan's timing).
-    rank_span: tuple[int, int] = (0, 0)
+    rank_span: tuple[int, int] = (0, 0)  # lowest and highest global rank: the nodes it spans
 
 
 @dataclass(eq=False)
 class Trace:
+    """The records of a `trace` block; filter them with `select` / `count`."""
+
     records: list[CollectiveRecord] = field(default_factory=list)
     step: int = 0
-    # trace(memory=True): live tensor bytes (`fully_shard.plan.memory.TraceMemory`), a snapshot at each
-    # collective.
-    memory: Any = None
+    memory: Any = None  # trace(memory=True): a `tools.memory.TraceMemory`
     _started: bool = False
     _attached: list[Any] = field(default_factory=list)  # the roots (`RootContext`) it watches
     _spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # group -> (lowest, highest) global rank
@@ -74,13 +67,12 @@ class Trace:
             self.step += 1
         self._started = True
 
-    def before(self, c: Collective) -> None:
-        pass
+    def before(self, c: Collective) -> None: ...
 
     def after(self, c: Collective) -> None:
         """A collective of a root this trace watches was issued."""
         span = self._spans.get(c.group.group_name)
-        if span is None:  # once per group: which global ranks it spans
+        if span is None:  # once per group
             ranks = dist.get_process_group_ranks(c.group)
             span = self._spans[c.group.group_name] = (min(ranks), max(ranks))
         r = c.reduction
@@ -98,7 +90,7 @@ class Trace:
         )
 
     def attach(self, root: Any) -> None:
-        """A root (`RootContext`) started work inside this trace: a memory trace learns its model."""
+        """A root (`RootContext`) started work inside this trace."""
         if root not in self._attached:
             self._attached.append(root)
         if self.memory is not None:
@@ -145,14 +137,8 @@ class Trace:
         step: Optional[int] = None,
         module: Optional[str] = None,
     ) -> list[CollectiveRecord]:
-        return [
-            r
-            for r in self.records
-            if (op is None or r.op == op)
-            and (phase is None or r.phase == phase)
-            and (step is None or r.step == step)
-            and (module is None or r.module == module)
-        ]
+        wanted = {"op": op, "phase": phase, "step": step, "module": module}
+        return [r for r in self.records if all(v is None or getattr(r, k) == v for k, v in wanted.items())]
 
     def count(self, **filters: object) -> int:
         return len(self.select(**filters))  # type: ignore[arg-type]
@@ -181,12 +167,10 @@ def trace(
 ) -> Iterator[Trace]:
     """Record the collectives of every root whose forward or unshard starts inside this block.
 
-    ``dtensor=True`` also records DTensor's own collectives run in this thread (tensor and
-    sequence parallel layers, redistributes), phase ``dtensor_forward`` / ``dtensor_backward``
-    (see `fully_shard.tools.funcol_trace`). ``memory=True`` counts live tensor bytes on the model's
-    device (``t.memory``: `fully_shard.plan.LiveBytes` with a snapshot by category at every
-    collective; ``optimizers`` name whose state is optimizer state); ``fully_shard.plan.draw(t,
-    path)`` draws it. Both watch every op, so they slow the step."""
+    ``dtensor=True`` also records DTensor's own collectives in this thread (tensor/sequence parallel).
+    ``memory=True`` counts live tensor bytes on the model's device (``t.memory``, snapshots by
+    category at every collective; ``optimizers`` own the optimizer state; ``fully_shard.plan.draw``
+    draws it). Both watch every op, so they slow the step."""
     t = Trace()
     token = ACTIVE_OBSERVERS.set(ACTIVE_OBSERVERS.get() + (t,))
     try:

@@ -1,28 +1,10 @@
-"""Quantized weight all-gather (ZeRO++'s qwZ, per row): the all-gather carries int8 values and
-one scale per row instead of the weights, and each rank dequantizes what arrived.
+"""Quantized weight all-gather (ZeRO++'s qwZ, per row), see docs/extensions.md:
 
-    from fully_shard.quant import Int8AllGather
-    model.set_all_gather_codec(Int8AllGather())   # every FSDP module under model; weights (2-D+)
+    model.set_all_gather_codec(fully_shard.quant.Int8AllGather())  # weights (2-D+) under model
 
-What changes and what does not:
-
-* Each rank quantizes its own shard just before the all-gather: per dim-0 row ``r``,
-  ``scale_r = max|w_r| / 127`` and ``q = round(w / scale_r)`` in int8. The all-gather moves
-  ``q`` (1 byte per element) and the scales (4 bytes per row): about 1/4 of float32's bytes,
-  1/2 of bfloat16's.
-* The unsharded weight forward and backward compute with is ``q * scale`` in the compute dtype
-  (``MixedPrecisionPolicy.param_dtype``, else the parameter's): each element is within
-  ``scale_r / 2 = max|w_r| / 254`` of the weight.
-* Master weights, gradients and optimizer state are untouched: the shard stays full precision,
-  the gradient (with respect to the dequantized weight, as ZeRO++ does) is reduce-scattered in
-  full precision, and the optimizer updates the full-precision shard. Quantization error does
-  not accumulate across steps; it is a fresh rounding of the current weights at each all-gather.
-* Biases, norms and other 1-D parameters are left alone by default (a scale per element would
-  cost more than it saves).
-
-Gradients are not quantized: a quantized reduce-scatter sums rounding errors over ranks into the
-update itself (ZeRO++'s qgZ needs error feedback to converge); use ``set_custom_reduce_scatter``
-for experiments with it.
+Int8 values and one float32 scale per dim-0 row travel instead of the weights; each rank
+dequantizes what arrived. Shards, gradients and optimizer state stay full precision, so rounding
+does not accumulate across steps. Gradients are not quantized (qgZ needs error feedback).
 """
 
 from __future__ import annotations
@@ -72,9 +54,8 @@ class Int8AllGather:
             full = torch.empty(q.shape, dtype=param_dtype, device=q.device)
             torch.mul(q2d, scale[:, None], out=full.view(q2d.shape))
             return full, (full,)
-        # ``out`` is the unsharded parameter: the first rows of the tensor returned the first time,
-        # whose memory fully_shard gave back before this call. Autograd may have saved it, so the
-        # refill must not bump its version.
+        # ``out`` is the unsharded parameter (the first rows of the tensor returned the first time),
+        # possibly saved by autograd: the refill must not bump its version.
         n = out.shape[0]
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
             torch.mul(q2d[:n], scale[:n, None], out=out.view(q2d[:n].shape))

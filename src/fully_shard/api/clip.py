@@ -1,10 +1,7 @@
 """``clip_grad_norm_`` over gradients sharded on any number of meshes.
 
-``torch.nn.utils.clip_grad_norm_`` works on sharded gradients only while they share one mesh:
-it stacks the per-parameter norms, and DTensors on two meshes (dense layers on one, experts on
-another) cannot be stacked. This one reduces each gradient's *local* contribution over the
-mesh dimensions that shard it, so any mix of meshes, placements (FSDP, HSDP, TP, 2-D) and plain
-tensors gives the true global norm.
+torch's version stacks per-parameter norms, which fails for DTensors on two meshes (dense layers
+and experts); this one reduces each gradient's local part over the mesh dims that shard it.
 """
 
 from __future__ import annotations
@@ -36,8 +33,6 @@ def _sharded_dims(grad: DTensor, fqn: str) -> tuple[int, ...]:
 
 def _local_power_sum(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """Sum of |x|^p over the local elements (max |x| for the inf-norm), in fp32 or wider."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.float32)
     norms = torch.stack(
         [
             torch.linalg.vector_norm(t, norm_type, dtype=torch.promote_types(t.dtype, torch.float32))
@@ -46,7 +41,7 @@ def _local_power_sum(tensors: list[torch.Tensor], norm_type: float) -> torch.Ten
     )
     if norm_type == float("inf"):
         return norms.max()
-    return (norms**norm_type).sum()  # already fp32 or wider (fp64 stays fp64)
+    return (norms**norm_type).sum()
 
 
 def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -59,18 +54,16 @@ def total_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tenso
             key = (g.device_mesh, _sharded_dims(g, f"#{i}"))
             by_reduction.setdefault(key, []).append(g._local_tensor)  # type: ignore[attr-defined]
         else:
-            plain.append(g)  # the same on every rank (not sharded): counted once
+            plain.append(g)  # not sharded: the same on every rank, counted once
     device = grads[0].device if grads else torch.device("cpu")
     parts = [_local_power_sum(plain, norm_type).to(device)] if plain else []
     for (mesh, dims), locals_ in by_reduction.items():
-        # On the mesh's device: offloaded gradients live on the host, but NCCL reduces device tensors.
+        # offloaded gradients live on the host, but NCCL reduces device tensors
         part = _local_power_sum(locals_, norm_type).to(mesh_device(mesh))
-        for dim in dims:  # sum (max) over every mesh dim that splits these gradients
-            if mesh.size(dim) == 1:
-                continue  # one rank holds it all: nothing to reduce
-            dist.all_reduce(
-                part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=mesh.get_group(dim)
-            )
+        for dim in dims:
+            if mesh.size(dim) > 1:
+                op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+                dist.all_reduce(part, op=op, group=mesh.get_group(dim))
         parts.append(part.to(device))
     if not parts:
         return torch.zeros((), device=device)
@@ -87,9 +80,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients so their global norm is at most ``max_norm``; return the norm before clipping.
 
-    Same contract as ``torch.nn.utils.clip_grad_norm_``, for gradients on one mesh or several.
-    ``foreach`` is accepted for signature parity (scaling uses ``torch._foreach_mul_`` per device
-    and dtype when possible).
+    ``torch.nn.utils.clip_grad_norm_``'s contract, for gradients on any meshes. ``foreach`` is
+    accepted for parity (scaling always uses ``torch._foreach_mul_`` per device and dtype).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]

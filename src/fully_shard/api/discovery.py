@@ -32,12 +32,8 @@ def _walk(module: nn.Module, fqn: str, seen: set[int]) -> Iterator[tuple[nn.Modu
     seen.add(id(module))
     yield module, fqn
     for name, child in module._modules.items():
-        if child is None:
-            continue
-        child_fqn = f"{fqn}.{name}" if fqn else name
-        if is_sharded_module(child):
-            continue
-        yield from _walk(child, child_fqn, seen)
+        if child is not None and not is_sharded_module(child):
+            yield from _walk(child, f"{fqn}.{name}" if fqn else name, seen)
 
 
 def _label(module: nn.Module, fqn: str) -> str:
@@ -50,8 +46,8 @@ def _label(module: nn.Module, fqn: str) -> str:
 
 @dataclass
 class Found:
-    """What one call manages (``own``: each parameter with every place it is registered) and the
-    parameters earlier calls manage that its modules also use (``borrowed``: tied weights)."""
+    """``own``: each parameter the call manages, with every place it is registered; ``borrowed``:
+    parameters earlier calls manage that its modules also use (tied weights)."""
 
     own: list[tuple[nn.Parameter, list[ParamPlace]]]
     borrowed: list[tuple[FSDPParam, list[ParamPlace]]]
@@ -86,9 +82,7 @@ def find_params(modules: list[nn.Module], module_names: list[str], ignored: set[
 def warn_uneven_complex(
     own: list[tuple[nn.Parameter, list[ParamPlace]]], shard_dims: list[int], infos: list[MeshInfo]
 ) -> None:
-    """A trainable complex parameter whose shard dim does not divide evenly over the ranks trains
-    with SGD, but Adam / AdamW update complex parameters through ``view_as_real``, which on an
-    unevenly sharded DTensor returns a copy: they would silently never update it."""
+    """Warn about trainable complex parameters sharded unevenly: Adam / AdamW would never update them."""
     for (param, places), dim, info in zip(own, shard_dims, infos):
         if param.is_complex() and param.requires_grad and param.dim() and param.shape[dim] % info.world_size:
             warnings.warn(
@@ -128,8 +122,8 @@ def _one_parent(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
 
 
 def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
-    """A DTensor fully_shard did not make: accept it as a tensor-parallel parameter when it lives
-    on another dimension of the data-parallel mesh's parent mesh."""
+    """Accept a DTensor fully_shard did not make only as a tensor-parallel parameter on another dim
+    of the data-parallel mesh's parent."""
     tp_mesh = param.device_mesh
     rule = (
         f"parameter '{fqn}' is already a DTensor (placements {tuple(param.placements)} on mesh "
@@ -153,36 +147,33 @@ def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
         raise ValueError(f"{rule} Its placements must be Shard or Replicate, got {tuple(param.placements)}.")
 
 
-def check_params(found: list[tuple[nn.Parameter, list[ParamPlace]]], info: MeshInfo) -> None:
-    """Refuse parameters this version cannot shard correctly, naming each and the fix."""
-    for param, places in found:
-        fqn = places[0].fqn
-        if isinstance(param, DTensor):
-            _check_tp_param(param, fqn, info)
-        if param.dim() == 0:
-            raise ValueError(
-                f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with shape "
-                "(1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it in "
-                "sync yourself."
-            )
-        if not param.is_meta and not _device_usable(param.device, info.device):
-            raise ValueError(
-                f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. Fix: move "
-                f"the module to {info.device} (or to CPU) before fully_shard, or pass a mesh on "
-                f"{param.device.type}."
-            )
-        if not (param.is_floating_point() or param.is_complex()) and param.requires_grad:
-            raise ValueError(
-                f"parameter '{fqn}' has dtype {param.dtype} and requires grad, but only floating-point and "
-                "complex tensors have gradients. Fix: set requires_grad=False on it (it is then gathered, "
-                "never reduced), or make it a buffer."
-            )
+def check_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
+    """Refuse a parameter this version cannot shard correctly, naming it and the fix."""
+    if isinstance(param, DTensor):
+        _check_tp_param(param, fqn, info)
+    if param.dim() == 0:
+        raise ValueError(
+            f"parameter '{fqn}' is a 0-dim scalar; fully_shard shards on dim 0. Fix: store it with shape "
+            "(1,) (e.g. nn.Parameter(value.reshape(1))), or pass it in ignored_params and keep it in "
+            "sync yourself."
+        )
+    if not param.is_meta and not _device_usable(param.device, info.device):
+        raise ValueError(
+            f"parameter '{fqn}' is on {param.device}, but the mesh computes on {info.device}. Fix: move "
+            f"the module to {info.device} (or to CPU) before fully_shard, or pass a mesh on "
+            f"{param.device.type}."
+        )
+    if not (param.is_floating_point() or param.is_complex()) and param.requires_grad:
+        raise ValueError(
+            f"parameter '{fqn}' has dtype {param.dtype} and requires grad, but only floating-point and "
+            "complex tensors have gradients. Fix: set requires_grad=False on it (it is then gathered, "
+            "never reduced), or make it a buffer."
+        )
 
 
 def _device_usable(device: torch.device, mesh_device: torch.device) -> bool:
-    if mesh_device.type == "cpu":
-        return device.type == "cpu"
-    return device.type == "cpu" or device == mesh_device
+    # CPU parameters are moved to the mesh's device shard by shard
+    return device.type == "cpu" or (mesh_device.type != "cpu" and device == mesh_device)
 
 
 def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
@@ -196,10 +187,9 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 @dataclass(frozen=True)
 class ShardPlacement:
     """What ``shard_placement_fn`` may return to put a parameter on a mesh of its own (e.g. MoE
-    experts on an expert-parallel mesh): ``placement`` (``Shard(d)``, or ``None`` for dim 0) and
-    the ``mesh`` to shard it over (1-D, or 2-D ``(replicate, shard)`` for HSDP). Parameters of one
-    ``fully_shard`` call on one mesh communicate together. PyTorch's ``ShardPlacementResult``
-    (``placement``, ``mesh_info``) is read the same way."""
+    experts on an expert-parallel mesh): ``placement`` (``Shard(d)``; ``None``: dim 0) and the
+    ``mesh`` (1-D, or 2-D for HSDP). A call's parameters on one mesh communicate together.
+    PyTorch's ``ShardPlacementResult`` is read too."""
 
     placement: Optional[Shard]
     mesh: Any
@@ -208,8 +198,8 @@ class ShardPlacement:
 def shard_choice_for(
     param: nn.Parameter, fqn: str, shard_placement_fn: Optional[Callable[[nn.Parameter], Any]]
 ) -> tuple[int, Any]:
-    """The dim ``shard_placement_fn`` chose for ``param`` (0 without one), checked, and the mesh
-    it chose (``None``: the call's own)."""
+    """The dim ``shard_placement_fn`` chose for ``param`` (default 0), checked, and its mesh (``None``:
+    the call's)."""
     if shard_placement_fn is None:
         return 0, None
     choice = shard_placement_fn(param)

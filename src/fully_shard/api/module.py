@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -21,8 +21,8 @@ from ..runtime.state import FSDPState, SharedComm, fsdp_states
 
 
 def engine_state(module: nn.Module) -> Optional[FSDPState]:
-    """The runtime state of a module ``fully_shard`` (or ``replicate``) was applied to, None if it
-    was not: the way the layers built on the API (``fsdp1/``, ``plan/``) reach the engine."""
+    """The runtime state of a module ``fully_shard`` / ``replicate`` was applied to, else None: how
+    the layers above the API (``fsdp1/``, ``plan/``) reach the engine."""
     state = module.__dict__.get("_fsdp_state")
     return state if isinstance(state, FSDPState) else None
 
@@ -40,20 +40,14 @@ class UnshardHandle:
 
 
 class FSDPModule:
-    """Mixed into the class of every module ``fully_shard`` was applied to.
-
-    ``isinstance(m, FSDPModule)`` tells a sharded module; ``isinstance(m, OriginalClass)`` still
-    holds. Methods with ``recurse=True`` apply to every ``fully_shard`` module in this subtree.
-    """
+    """Mixed into the class of every module ``fully_shard`` was applied to (``isinstance(m,
+    OriginalClass)`` still holds). ``recurse=True`` applies a method to every ``fully_shard`` module
+    in this subtree."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """Constructing a sharded class builds its original class instead.
-
-        Containers make new instances of their own class: ``nn.Sequential.__getitem__(slice)``
-        calls ``self.__class__(...)``. A slice of a sharded model is a plain container of the
-        same (sharded) children, as with an unsharded model, not a sharded module with no state.
-        ``copy.deepcopy`` creates the instance with no arguments and keeps the sharded class.
-        """
+        """Constructing a sharded class builds its original class: a container's slice
+        (``self.__class__(...)`` in ``nn.Sequential``) is a plain container of the sharded children.
+        ``copy.deepcopy`` (no arguments) keeps the sharded class."""
         if not args and not kwargs:
             return super().__new__(cls)
         original = cls.__bases__[-1]
@@ -62,10 +56,8 @@ class FSDPModule:
         return module
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPModule":
-        """An independent sharded module on the same mesh (PyTorch's fully_shard refuses this):
-        e.g. an EMA copy of a sharded model. The runtime state is copied first, so each sharded
-        parameter is copied its own way (see `FSDPParam.__deepcopy__`); the copy finds its own root
-        at its first forward."""
+        """An independent sharded module on the same mesh (e.g. an EMA copy; PyTorch refuses). The
+        state is copied first, so each parameter is copied its own way (`FSDPParam.__deepcopy__`)."""
         new = super().__new__(type(self))
         memo[id(self)] = new
         state = copy.deepcopy(self.__dict__["_fsdp_state"], memo)
@@ -77,19 +69,16 @@ class FSDPModule:
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
 
-    def _fsdp_states(self, recurse: bool) -> Iterator[FSDPState]:
-        if not recurse:
-            yield self._get_fsdp_state()
-            return
-        yield from fsdp_states([self])  # type: ignore[list-item]
+    def _fsdp_states(self, recurse: bool) -> Iterable[FSDPState]:
+        return fsdp_states([self]) if recurse else (self._get_fsdp_state(),)  # type: ignore[list-item]
 
-    # -- manual unshard / reshard ----------------------------------------------------------------
+    def _set_fsdp_settings(self, recurse: bool, **settings: Any) -> None:
+        for state in self._fsdp_states(recurse):
+            state.update_settings(**settings)
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """All-gather this module's parameters now. With ``async_op`` return a handle to wait on.
-
-        A forward that follows uses these parameters (no second all-gather).
-        """
+        """All-gather this module's parameters now (the next forward uses them); with ``async_op``
+        return a handle to wait on."""
         state = self._get_fsdp_state()
         state.root_context().attach_active_observers()
         for group in state.groups:  # with the groups of tied parameters it uses
@@ -106,8 +95,8 @@ class FSDPModule:
             group.reshard()
 
     def _apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``to_empty`` / ``to`` / ``cuda``: nn.Module swaps each DTensor parameter's contents in
-        place; then give the new local shard padded storage the all-gather can read."""
+        """``to_empty`` / ``to`` / ``cuda`` swap each DTensor's contents in place; then give each new
+        local shard padded storage the all-gather can read."""
         self.reshard()
         result = super()._apply(fn, *args, **kwargs)  # type: ignore[misc]
         for group in self._get_fsdp_state().own:
@@ -116,31 +105,26 @@ class FSDPModule:
             group.needs_sync = True  # extension methods may be set on the new shards before it runs
         return result
 
-    # -- run-time knobs --------------------------------------------------------------------------
-
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """``False``: backward reduces nothing; gradients accumulate unsharded until a backward
-        with ``True`` reduce-scatters them once (gradient accumulation without communication)."""
+        """``False``: backward reduces nothing; gradients accumulate unsharded until a backward with
+        ``True`` reduce-scatters them once."""
         value = _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(requires_gradient_sync=value)
+        self._set_fsdp_settings(recurse, requires_gradient_sync=value)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """``False``: keep the parameters unsharded after backward, so the next micro-batch's
-        forward needs no all-gather (they are re-gathered anyway once an optimizer step changed them)."""
+        """``False``: keep the parameters unsharded after backward, so the next forward needs no
+        all-gather (until an optimizer step changes them)."""
         value = _check_bool("reshard_after_backward", reshard_after_backward)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(reshard_after_backward=value)
+        self._set_fsdp_settings(recurse, reshard_after_backward=value)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (see `fully_shard`)."""
         value = _check_bool("reshard_after_forward", reshard_after_forward)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(reshard_after_forward=value)
+        self._set_fsdp_settings(recurse, reshard_after_forward=value)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """``False`` (call on the root): the coming backward is not the last before the optimizer
-        step, so its end need not wait for the last reduce-scatter."""
+        """``False`` (on the root): the coming backward is not the last before the optimizer step,
+        so it need not wait for its last reduce-scatter."""
         self._get_fsdp_state().update_settings(
             is_last_backward=_check_bool("is_last_backward", is_last_backward)
         )
@@ -151,8 +135,8 @@ class FSDPModule:
         self._get_fsdp_state().update_settings(forward_prefetch=tuple(states))
 
     def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]) -> None:
-        """All-gather these modules' parameters in this module's pre-backward (replaces the
-        implicit prefetch of the module that ran just before it in forward)."""
+        """All-gather these modules' parameters in this module's pre-backward (instead of the
+        implicit prefetch)."""
         states = _prefetch_states("set_modules_to_backward_prefetch", modules)
         self._get_fsdp_state().update_settings(backward_prefetch=tuple(states))
 
@@ -164,32 +148,24 @@ class FSDPModule:
                 f"it; 1.0 sums them), got {factor!r}: 0, a negative, inf or NaN would zero, flip or poison "
                 "every gradient."
             )
-        for state in self._fsdp_states(recurse):
-            state.update_settings(gradient_divide_factor=float(factor))
+        self._set_fsdp_settings(recurse, gradient_divide_factor=float(factor))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: ``False`` reduce-scatters within the shard group but defers the all-reduce across
-        replicas; the partial sums wait on the parameters until a backward with ``True`` all-reduces
-        them once (gradient accumulation with less inter-replica traffic). No effect on a 1-D mesh."""
+        """HSDP: ``False`` defers the all-reduce across replicas; the partial sums wait until a
+        backward with ``True`` all-reduces them once. No effect on a 1-D mesh."""
         value = _check_bool("requires_all_reduce", requires_all_reduce)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(requires_all_reduce=value)
+        self._set_fsdp_settings(recurse, requires_all_reduce=value)
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
-        """``True``: every gradient reduction is a SUM collective, with the division done by us
-        before (low precision: the largest power of two <= sqrt(factor)) and after it, as on
-        backends without AVG / PreMulSum. ``False`` (default): on NCCL, fp32 and bf16 gradients are
-        averaged in-kernel (AVG, or PreMulSum for a custom divide factor); gloo always sums. Traces
-        show the choice (``CollectiveRecord.reduce_op`` / ``pre_divide`` / ``post_divide``)."""
+        """``True``: every gradient reduction is a SUM, divided by us before and after (as on backends
+        without AVG / PreMulSum). ``False`` (default): NCCL averages fp32 / bf16 in-kernel; gloo
+        always sums. Traces record the choice (``CollectiveRecord.reduce_op``)."""
         value = _check_bool("enable", enable)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(force_sum_reduction=value)
+        self._set_fsdp_settings(recurse, force_sum_reduction=value)
 
     def set_bucket_bytes(self, nbytes: int) -> None:
-        """Call on the root. Consecutive sharded modules under it whose unsharded parameters add up
-        to at most ``nbytes`` all-gather and reduce-scatter together, one collective per bucket
-        (default 1 MiB; ``0`` turns it off). Costs at most ``nbytes`` of extra unsharded parameters
-        and of waiting gradients; see docs/design.md, "Bucketing", for the rule and the numerics."""
+        """On the root: consecutive sharded modules whose unsharded parameters total at most ``nbytes``
+        share one all-gather and one reduce-scatter (default 1 MiB; ``0``: off). See docs/design.md."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(
                 f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}."
@@ -200,13 +176,10 @@ class FSDPModule:
             state.ctx.plan_buckets()
 
     def set_grad_finite_check(self, mode: Optional[str]) -> None:
-        """Call on the root. ``"raise"``: after the last backward before the step, if any rank's
-        gradient of any parameter had a NaN/Inf before the reduction, ``backward()`` raises
-        `NonFiniteGradients` on every rank, naming the parameters and ranks. ``"report"``: no
-        error; ``nonfinite_grads()`` returns that list (the same on every rank) so all ranks skip
-        the step together. ``None``: off (default; the environment variable
-        ``FULLY_SHARD_CHECK_FINITE=raise|report`` turns it on without code changes). Costs one
-        pass over each gradient and one all-gather of a byte per parameter per step."""
+        """On the root. ``"raise"``: if any rank's gradient had a NaN/Inf before the reduction, the
+        last backward before the step raises `NonFiniteGradients` on every rank; ``"report"``:
+        ``nonfinite_grads()`` lists them instead; ``None``: off (default, unless
+        ``FULLY_SHARD_CHECK_FINITE=raise|report``). Costs a pass over each gradient per step."""
         if mode is not None and mode not in ("raise", "report"):
             raise ValueError(f"set_grad_finite_check expects 'raise', 'report' or None (off), got {mode!r}.")
         state = self._require_root("set_grad_finite_check")
@@ -215,9 +188,8 @@ class FSDPModule:
             finite.configure(state.ctx)
 
     def nonfinite_grads(self) -> list[NonFinite]:
-        """With the finite check on (``set_grad_finite_check``): the parameters whose gradients had
-        a NaN/Inf in the last step's backward, each with the ranks where it did; empty when all
-        were finite. The same list on every rank. Call on the root, after ``backward()``."""
+        """On the root, after ``backward()`` with the finite check on: the parameters whose gradients
+        had a NaN/Inf, each with its ranks (the same list on every rank; empty when all finite)."""
         state = self._require_root("nonfinite_grads")
         check = state.ctx.gradient_check if state.ctx is not None else None
         if not isinstance(check, FiniteCheck):
@@ -241,25 +213,18 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """``True`` (our default; PyTorch's is ``False``): every reduce-scatter carries all trainable
-        parameters of its group, zeros where this rank has no gradient, and a used-count per
-        parameter, so ranks that use different parameters (MoE routing, multi-modal branches) agree
-        on the layout and the result equals single-process training (a parameter no rank used keeps
-        ``.grad`` as it was). ``False``: only this rank's gradients, PyTorch's layout: correct only
-        when every rank uses the same parameters, and bit for bit PyTorch's at any world size."""
+        """``True`` (default; PyTorch's is ``False``): reduce every trainable parameter, zeros where
+        unused, with a used-count each, so ranks using different parameters (MoE) train exactly.
+        ``False``: PyTorch's layout, correct only when every rank uses the same parameters."""
         value = _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
-        for state in self._fsdp_states(recurse):
-            state.update_settings(reduce_unused=value)
+        self._set_fsdp_settings(recurse, reduce_unused=value)
 
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: Optional[torch.Stream] = None
     ) -> None:
-        """Call ``hook(reduce_output)`` on this module's every gradient reduction, after the
-        reduce-scatter (and after the HSDP all-reduce, on a 2-D mesh), before the division and the
-        accumulation into ``.grad``: e.g. your own all-reduce across replicas on a 1-D mesh.
-        ``reduce_output`` is this rank's flat gradient shard of the group, followed by one
-        used-count per parameter (see ``set_reduce_scatter_unused_params``). ``stream``
-        (accelerators, 1-D mesh only): run the hook there; the accumulation waits for it."""
+        """Call ``hook(reduce_output)`` after each gradient reduce-scatter (and HSDP all-reduce),
+        before the division and accumulation; ``reduce_output`` is this rank's flat gradient shard
+        and one used-count per parameter. ``stream`` (accelerator, 1-D mesh): run the hook there."""
         if not callable(hook):
             raise TypeError(
                 f"set_all_reduce_hook expects a callable hook(reduce_output), got {type(hook).__name__}."
@@ -279,17 +244,15 @@ class FSDPModule:
         state.update_settings(all_reduce_hook=hook, all_reduce_hook_stream=stream)
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather`` interface:
-        ``comm.allocate(size, dtype=, device=)`` makes the output buffer, ``comm(output_tensor=,
-        input_tensor=, group=, async_op=)`` runs the collective and returns its work or None)."""
+        """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather``: ``allocate(size,
+        dtype=, device=)`` and ``__call__(output_tensor=, input_tensor=, group=, async_op=)``)."""
         _check_comm("set_custom_all_gather", comm)
         self._own_groups("set_custom_all_gather")
         self._get_fsdp_state().update_settings(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``
-        interface: ``comm.allocate(...)`` makes the input and output buffers, ``comm(output_tensor=,
-        input_tensor=, group=, op=, async_op=)`` runs the collective)."""
+        """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``:
+        ``allocate(...)`` and ``__call__(output_tensor=, input_tensor=, group=, op=, async_op=)``)."""
         _check_comm("set_custom_reduce_scatter", comm)
         self._own_groups("set_custom_reduce_scatter")
         self._get_fsdp_state().update_settings(custom_reduce_scatter=comm)
@@ -301,38 +264,17 @@ class FSDPModule:
         params: Optional[Callable[[str, nn.Parameter], bool]] = None,
         recurse: bool = True,
     ) -> list[str]:
-        """All-gather chosen parameters through ``codec`` (e.g. `fully_shard.quant.Int8AllGather`),
-        or back through the plain all-gather with ``None``. Returns the names chosen.
+        """All-gather chosen parameters through ``codec`` (e.g. `fully_shard.quant.Int8AllGather`), or
+        through the plain all-gather again with ``None``; returns the chosen names (relative to self).
 
-        A codec is an all-gather extension for plain parameters: ``codec.pre_all_gather(shard,
-        mesh, outer_size, outer_stride, module, mp_policy)`` returns ``(inputs, metadata)`` and
-        ``codec.post_all_gather(shard, outputs, metadata, param_dtype, out=None)`` rebuilds the
-        unsharded parameter (PyTorch's ``fsdp_pre/post_all_gather`` protocol, with the shard passed
-        first; see docs/extensions.md). A parameter whose local tensor defines that protocol itself
-        keeps its own. ``params(name, param) -> bool`` chooses (names relative to this module);
-        the default chooses floating-point parameters of 2 or more dims. ``recurse``: every
-        ``fully_shard`` module under this one too.
+        ``codec.pre_all_gather(shard, mesh, outer_size, outer_stride, module, mp_policy)`` returns
+        ``(inputs, metadata)``; ``codec.post_all_gather(shard, outputs, metadata, param_dtype, out=None)``
+        rebuilds the parameter (docs/extensions.md). A tensor defining ``fsdp_pre/post_all_gather``
+        keeps its own. ``params(name, param) -> bool`` chooses (default: floating point, 2+ dims);
+        a shard on another dim or a non-float parameter is refused with nothing changed.
         """
         _check_codec_args(codec, params)
-        choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
-        # (checked below: a chosen parameter sharded on another dim, or not floating point, is refused)
-        prefix = {id(p): n for n, p in self.named_parameters()}  # type: ignore[attr-defined]
-        chosen: list[tuple[Any, str, FSDPState]] = []
-        for state in self._fsdp_states(recurse):
-            for fp in (p for g in state.own for p in g.params):
-                name = prefix.get(id(fp.sharded_param), fp.fqn)
-                if choose(name, fp.sharded_param):
-                    chosen.append((fp, name, state))
-        if not chosen:
-            raise ValueError(
-                f"set_all_gather_codec on {class_name(self)} chose no parameter: "
-                + (
-                    "the params filter accepted none of them. "
-                    if params is not None
-                    else "no floating-point parameter with 2 or more dims is managed here. "
-                )
-                + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
-            )
+        chosen = _codec_choice(self, params, recurse)
         if codec is not None:
             _refuse_codec_misfits([(n, fp) for fp, n, _ in chosen])
         for state in {id(s): s for _, _, s in chosen}.values():
@@ -356,38 +298,32 @@ class FSDPModule:
         self._get_fsdp_state().update_settings(unshard_in_backward=value)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accelerators: the next forward's first all-gather waits for ``event`` (recorded after
-        the optimizer step) instead of everything queued on the compute stream. Call on the root.
-        Ignored on CPU, where there are no streams."""
+        """On the root, accelerators: the next forward's first all-gather waits for ``event`` (recorded
+        after the optimizer step) instead of the whole compute stream. Ignored on CPU."""
         if not isinstance(event, torch.Event):
             raise TypeError(f"set_post_optim_event expects a torch.Event, got {type(event).__name__}.")
         self._get_fsdp_state().post_optim_event = event
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``nn.Module.zero_grad``, plus what it cannot see: gradients accumulated on the unsharded
-        parameters by backwards without gradient sync (``set_requires_gradient_sync(False)``) and
-        HSDP partial sums deferred by ``set_requires_all_reduce(False)``, under this module. Without
-        this they would join the next syncing backward's reduction. (``optimizer.zero_grad()``
-        only sees the sharded parameters: call ``model.zero_grad()`` to drop an accumulation.)"""
+        """``nn.Module.zero_grad``, plus what it cannot see: gradients accumulated unsharded without
+        sync and HSDP partial sums deferred by ``set_requires_all_reduce(False)``, which would
+        otherwise join the next syncing reduction."""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         for state in self._fsdp_states(recurse=True):
             for g in state.own:
                 g.discard_unsharded_grads()
 
     def reset_iter_state(self) -> None:
-        """After an exception in forward or backward: reshard every module under this root and
-        discard the failed iteration's unreduced gradients, so the next iteration runs cleanly.
-        Gradients already reduced into ``.grad`` stay; call ``optimizer.zero_grad()`` to drop them."""
+        """After an exception in forward or backward: reshard every module under this root and drop
+        the failed iteration's unreduced gradients (``.grad`` stays)."""
         state = self._get_fsdp_state()
         if state.ctx is not None:
             state.ctx.handle(Event.RESET)
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Let several root modules (e.g. the pipeline stages one rank runs) share one communication
-    context: the all-gather and reduce-scatter streams on accelerators (no memory fragmentation
-    across stage streams), the CPU release worker, and the collective trace. Call before their
-    first forward, with the roots (PyTorch's ``share_comm_ctx``)."""
+    """Let several roots (e.g. one rank's pipeline stages) share one communication context: the
+    streams, the CPU release worker and the trace. Call before their first forward."""
     if not isinstance(modules, (list, tuple)):
         raise TypeError(
             f"share_comm_ctx expects a list of fully_shard root modules, got {type(modules).__name__}."
@@ -451,9 +387,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 class _ForwardMethod:
-    """A method registered with `register_fsdp_forward_method`: runs between the module's
-    pre-forward and post-forward hooks. An object rather than a closure, so ``copy.deepcopy`` of
-    the model rebinds it to the copy (a closure would keep running the original's parameters)."""
+    """A registered method run between the pre- and post-forward hooks. An object, not a closure,
+    so ``copy.deepcopy`` rebinds it to the copy's parameters."""
 
     def __init__(self, module: nn.Module, method: Callable[..., Any], state: FSDPState) -> None:
         self.module = module
@@ -484,7 +419,6 @@ def _replicated_class(cls: type) -> type:
 
 
 def _check_codec_args(codec: Any, params: Any) -> None:
-    """`FSDPModule.set_all_gather_codec`'s arguments: a codec (or None) and a filter (or None)."""
     if codec is not None and not (
         callable(getattr(codec, "pre_all_gather", None)) and callable(getattr(codec, "post_all_gather", None))
     ):
@@ -496,6 +430,29 @@ def _check_codec_args(codec: Any, params: Any) -> None:
         raise TypeError(
             f"set_all_gather_codec(params=...) expects a callable (name, param) -> bool, got {params!r}."
         )
+
+
+def _codec_choice(module: FSDPModule, params: Any, recurse: bool) -> list[tuple[Any, str, FSDPState]]:
+    """``(FSDPParam, name relative to module, state)`` for each parameter ``params`` chooses."""
+    choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
+    prefix = {id(p): n for n, p in module.named_parameters()}  # type: ignore[attr-defined]
+    chosen: list[tuple[Any, str, FSDPState]] = []
+    for state in module._fsdp_states(recurse):
+        for fp in (p for g in state.own for p in g.params):
+            name = prefix.get(id(fp.sharded_param), fp.fqn)
+            if choose(name, fp.sharded_param):
+                chosen.append((fp, name, state))
+    if not chosen:
+        raise ValueError(
+            f"set_all_gather_codec on {class_name(module)} chose no parameter: "
+            + (
+                "the params filter accepted none of them. "
+                if params is not None
+                else "no floating-point parameter with 2 or more dims is managed here. "
+            )
+            + "Fix: call it on a module whose fully_shard parameters include weights, or pass params=."
+        )
+    return chosen
 
 
 def _refuse_codec_misfits(chosen: list[tuple[str, Any]]) -> None:

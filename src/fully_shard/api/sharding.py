@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .discovery import (
-    check_params,
+    Found,
+    check_param,
     find_params,
     is_sharded_module,
     move_buffers,
@@ -19,10 +20,10 @@ from .discovery import (
     warn_uneven_complex,
 )
 from ..layouts.mesh import check_reshard_after_forward, mesh_info, replicate_info
-from ..runtime.param import FSDPParam
+from ..runtime.param import FSDPParam, ParamPlace
 from ..runtime.param_group import FSDPParamGroup
 from ..features.offload import offload_chooser
-from .spmd import as_dp_mesh_dims, dp_mesh, localize_params, restore
+from .spmd import restore, to_dp_mesh
 from ..layouts.policy import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy
 from ..runtime.registry import register_original
 from ..features.traps import install_optimizer_check, register_ignored
@@ -44,60 +45,27 @@ def fully_shard(
     shard_placement_fn: Optional[Callable[[nn.Parameter], Any]] = None,
     dp_mesh_dims: Any = None,
 ) -> Union[nn.Module, list[nn.Module]]:
-    """Shard ``module``'s parameters across the ranks of ``mesh`` (dim-0, one group per call).
-
-    Apply it bottom-up: each block first, then the root. Parameters already managed by an inner
-    call are left to it. A list of modules forms one group that communicates together.
+    """Shard ``module``'s parameters on dim 0 over ``mesh``: one group per call, applied bottom-up
+    (blocks, then the root). An inner call's parameters stay its own; a list forms one group.
 
     Args:
-        mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP: parameters
-            are ``(Replicate(), Shard(0))``; gradients are reduce-scattered within the shard
-            group, then all-reduced across replicas). Default: every rank of the default process
-            group, on the current accelerator if there is one, else CPU.
-        reshard_after_forward: free the unsharded parameters after forward (and all-gather again
-            for backward). ``None``: ``True``, except for the root, which keeps them. An ``int``
-            ``k`` dividing the shard world size: after forward keep the parameters sharded over
-            groups of ``k`` consecutive ranks (e.g. one node), so backward all-gathers within them.
-        mp_policy / offload_policy: see `MixedPrecisionPolicy` / `CPUOffloadPolicy` (PyTorch's
-            FSDP2 policy objects are accepted and converted; shards,
-            gradients and optimizer state on the host; each all-gather copies the shard to the
-            device; on a CPU mesh it changes nothing). ``offload_policy`` may also choose per
-            parameter: a mapping from name patterns to policies, or a callable ``param -> policy``
-            such as `fully_shard.offload_by_budget(model, bytes)` (see offload.py).
+        mesh: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP) mesh; default: every rank, accelerator or CPU.
+        reshard_after_forward: free params after forward; None: not the root; int k: regather within k ranks.
+        mp_policy / offload_policy: `MixedPrecisionPolicy` / `CPUOffloadPolicy` (PyTorch's accepted).
+        offload_policy may also choose per parameter: ``{name pattern: policy}`` or ``param -> policy``.
         ignored_params: parameters left alone entirely (not sharded, not synchronised).
-        shard_placement_fn: ``param -> Shard(d) | None``: shard that parameter on dim ``d``
-            (any size: chunks follow ``torch.chunk``) instead of dim 0; ``None`` keeps dim 0.
-            ``ShardPlacement(Shard(d) or None, mesh=other)`` also puts it on another mesh (MoE
-            experts on an expert-parallel mesh): the call's parameters on each mesh form one group
-            that communicates over that mesh (PyTorch's ``ShardPlacementResult`` is read too).
-        dp_mesh_dims: with ``mesh`` a full SPMD mesh (data-parallel and e.g. tensor-parallel dims),
-            `DataParallelMeshDims(shard=..., replicate=...)` names the data-parallel dims;
-            parameters already DTensors on that mesh keep their other dims' placements (spmd.py).
+        shard_placement_fn: ``param -> Shard(d) | ShardPlacement(Shard(d), mesh=) | None`` (None: dim 0).
+        dp_mesh_dims: `DataParallelMeshDims` naming the data-parallel dims when ``mesh`` is a full SPMD mesh.
 
-    Returns the module (or list), whose class now also derives from `FSDPModule`.
+    Returns the module (or list); its class now also derives from `FSDPModule`.
     """
     modules = _as_module_list(module)
-    changes: list = []
-    if dp_mesh_dims is not None:
-        dims = as_dp_mesh_dims(dp_mesh_dims)
-        full = mesh
-        mesh, others = dp_mesh(full, dims)
-        names = dims.replicate_names + dims.shard_names
-        changes = localize_params(modules, full, names, others)  # type: ignore[arg-type]
+    mesh, changes = to_dp_mesh(modules, mesh, dp_mesh_dims)
     try:
         info = mesh_info(mesh)
         checked = check_reshard_after_forward(reshard_after_forward, info)
-        reshard_after_forward = checked  # type: ignore[assignment]
-        _apply(
-            modules,
-            info,
-            reshard_after_forward,
-            mp_policy,
-            offload_policy,
-            ignored_params,
-            shard_placement_fn,
-            _sharded_class,
-        )
+        args = (mp_policy, offload_policy, ignored_params, shard_placement_fn)
+        _apply(modules, info, checked, *args, _sharded_class)
     except BaseException:
         restore(changes)  # a refused call leaves the parameters as they were
         raise
@@ -112,14 +80,11 @@ def replicate(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
 ) -> Union[nn.Module, list[nn.Module]]:
-    """Data parallelism without sharding, on the same engine and controls as `fully_shard`
-    (PyTorch's ``replicate``): every rank keeps whole parameters, as ``Replicate()`` DTensors on
-    the 1-D ``mesh``; each backward all-reduces (averages) the gradients across its ranks. Compose
-    it with ``fully_shard`` in one model (e.g. small modules replicated, big ones sharded), bottom-up
-    like ``fully_shard``; consecutive small replicated modules share one all-reduce (buckets).
+    """Data parallelism without sharding (PyTorch's ``replicate``), on `fully_shard`'s engine and
+    controls: whole parameters as ``Replicate()`` DTensors on the 1-D ``mesh``, gradients averaged
+    by an all-reduce per backward. Composes with ``fully_shard`` in one model, applied bottom-up.
 
-    Returns the module (or list), whose class now also derives from `ReplicateModule` (an
-    `FSDPModule`: ``set_requires_gradient_sync``, ``set_requires_all_reduce``, hooks, ...).
+    Returns the module (or list); its class now also derives from `ReplicateModule` (an `FSDPModule`).
     """
     modules = _as_module_list(module)
     info = replicate_info(mesh)
@@ -139,33 +104,14 @@ def _apply(
 ) -> None:
     """Check everything, then manage the parameters of ``modules`` as one group on ``info``."""
     mp_policy = as_mp_policy(mp_policy)
-    choose_offload = offload_chooser(offload_policy)
-    names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
-    found = find_params(modules, names, _ignored_ids(ignored_params))
-    choices = [shard_choice_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
-    shard_dims = [dim for dim, _ in choices]
-    infos = _param_meshes(info, [mesh for _, mesh in choices], reshard_after_forward)
-    for one, param_info in zip(found.own, infos):
-        check_params([one], param_info)
-    warn_uneven_complex(found.own, shard_dims, infos)
-    offloads = [
-        choose_offload(param, places[0].fqn) for param, places in found.own
-    ]  # a bad choice raises here
+    found, choices = _check(
+        modules, info, reshard_after_forward, offload_policy, ignored_params, shard_placement_fn
+    )
     # Every check has passed; from here on nothing raises on user input.
     install_optimizer_check()
     register_ignored(ignored_params)
-    params = [
-        FSDPParam(param, places, param_info, mp_policy, dim, offload)
-        for (param, places), dim, offload, param_info in zip(found.own, shard_dims, offloads, infos)
-    ]
-    for (original, _), managed in zip(found.own, params):
-        register_original(original, managed)
-    group, extra = _groups_by_mesh(params, info)
-    borrowed: list[FSDPParamGroup] = []
-    for owner, places in found.borrowed:  # tied to a parameter an earlier call manages
-        owner.add_places(places)
-        if owner.group is not None and owner.group not in borrowed:
-            borrowed.append(owner.group)
+    group, extra = _groups_by_mesh(_manage(found.own, choices, mp_policy), info)
+    borrowed = _borrow(found.borrowed)
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     state.setup_root = _setup_root
@@ -173,9 +119,55 @@ def _apply(
         _install(m, state, make_class)
 
 
+def _check(
+    modules: list[nn.Module],
+    info: Any,
+    reshard_after_forward: Any,
+    offload_policy: Any,
+    ignored_params: Optional[set[nn.Parameter]],
+    shard_placement_fn: Any,
+) -> tuple[Found, list[tuple[int, Any, Any]]]:
+    """The parameters the call manages, each one's (shard dim, mesh info, offload); raises on bad
+    input before anything changes."""
+    choose_offload = offload_chooser(offload_policy)
+    names = [""] if len(modules) == 1 else [f"[{i}]" for i in range(len(modules))]
+    found = find_params(modules, names, _ignored_ids(ignored_params))
+    choices = [shard_choice_for(param, places[0].fqn, shard_placement_fn) for param, places in found.own]
+    dims = [dim for dim, _ in choices]
+    infos = _param_meshes(info, [mesh for _, mesh in choices], reshard_after_forward)
+    for (param, places), param_info in zip(found.own, infos):
+        check_param(param, places[0].fqn, param_info)
+    warn_uneven_complex(found.own, dims, infos)
+    offloads = [choose_offload(param, places[0].fqn) for param, places in found.own]
+    return found, list(zip(dims, infos, offloads))
+
+
+def _manage(
+    own: list[tuple[nn.Parameter, list[ParamPlace]]], choices: list[tuple[int, Any, Any]], mp_policy: Any
+) -> list[FSDPParam]:
+    """An `FSDPParam` for each parameter, registered as the manager of the original."""
+    params = [
+        FSDPParam(param, places, param_info, mp_policy, dim, offload)
+        for (param, places), (dim, param_info, offload) in zip(own, choices)
+    ]
+    for (original, _), managed in zip(own, params):
+        register_original(original, managed)
+    return params
+
+
+def _borrow(borrowed: list[tuple[FSDPParam, list[ParamPlace]]]) -> list[FSDPParamGroup]:
+    """Add the places of parameters tied to ones earlier calls manage; return those calls' groups."""
+    groups: list[FSDPParamGroup] = []
+    for owner, places in borrowed:
+        owner.add_places(places)
+        if owner.group is not None and owner.group not in groups:
+            groups.append(owner.group)
+    return groups
+
+
 def _groups_by_mesh(params: list[FSDPParam], info: Any) -> tuple[Optional[FSDPParamGroup], list[Any]]:
-    """One group per mesh, each communicating over its own ranks: the one on the call's mesh
-    (None if no parameter stayed there) and the others, in the order their meshes appear."""
+    """One group per mesh: the one on the call's mesh (None if no parameter stayed there) and the
+    others, in the order their meshes appear."""
     by_mesh: dict[int, list[FSDPParam]] = {id(info): []}
     for p in params:
         by_mesh.setdefault(id(p.info), []).append(p)
@@ -191,20 +183,17 @@ def _setup_root(ctx: RootContext) -> None:
 
 
 def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_forward: Any) -> list[Any]:
-    """Each parameter's mesh info: the call's, or the one ``shard_placement_fn`` chose (one
-    `MeshInfo` per distinct mesh, so its parameters form one group), checked against the call."""
-    made: list[tuple[DeviceMesh, Any]] = []  # equal meshes (mesh["ep"] sliced twice is two objects) are one
+    """Each parameter's mesh info: the call's, or one `MeshInfo` per distinct mesh
+    ``shard_placement_fn`` chose (so its parameters form one group), checked against the call."""
+    made: list[tuple[DeviceMesh, Any]] = [(info.mesh, info)]  # mesh["ep"] sliced twice is 2 equal objects
     out = []
     for mesh in meshes:
-        if mesh is None or mesh is info.mesh or mesh == info.mesh:
-            out.append(info)
-            continue
-        known = next((i for m, i in made if m is mesh or m == mesh), None)
+        known = info if mesh is None else next((i for m, i in made if m is mesh or m == mesh), None)
         if known is None:
-            other = mesh_info(mesh)
-            if other.device.type != info.device.type:
+            known = mesh_info(mesh)
+            if known.device.type != info.device.type:
                 raise ValueError(
-                    f"shard_placement_fn chose a mesh on {other.device.type}, but fully_shard's mesh "
+                    f"shard_placement_fn chose a mesh on {known.device.type}, but fully_shard's mesh "
                     f"computes on {info.device.type}. Fix: build every mesh of one call on the same device "
                     "type."
                 )
@@ -214,15 +203,14 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
                 )
             if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
                 try:
-                    check_reshard_after_forward(reshard_after_forward, other)
+                    check_reshard_after_forward(reshard_after_forward, known)
                 except ValueError as e:
                     raise ValueError(
                         f"{e} The call's reshard_after_forward applies to the parameters shard_placement_fn "
                         f"put on another mesh {mesh} too. Fix: choose an int dividing both meshes' shard "
                         "sizes, or True/False."
                     ) from None
-            made.append((mesh, other))
-            known = other
+            made.append((mesh, known))
         out.append(known)
     return out
 
@@ -230,12 +218,10 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
 class _OutsideCompile:
     """A module hook that runs outside ``torch.compile``'s graphs.
 
-    ``block.compile()`` / ``model.compile()`` (in place) compile ``Module._call_impl``, hooks
-    included. Dynamo skips torch's own files (``_call_impl`` itself) but would compile a hook frame
-    of ours, breaking the graph at every collective (and failing ``fullgraph=True``). Calling the
-    hook through ``torch._dynamo.disable`` (a torch frame, so skipped too) runs it eagerly, and the
-    module's ``forward`` is still compiled as one graph. An object rather than a closure, so a
-    deepcopy of the model gets hooks bound to the copy's state.
+    Compiling a module in place compiles ``Module._call_impl`` with its hooks; dynamo would trace
+    our hook frames and break the graph at every collective (failing ``fullgraph=True``). Called
+    through ``torch._dynamo.disable`` (a torch frame, skipped) the hook runs eagerly while
+    ``forward`` stays one graph. An object, not a closure, so a deepcopy rebinds it to the copy.
     """
 
     def __init__(self, hook: Callable[..., Any]) -> None:
@@ -246,8 +232,8 @@ class _OutsideCompile:
 
 
 class _Hook:
-    """A plain hook object (torch marks some hooks with attributes, which a bound method refuses;
-    a deepcopy of the model rebinds it to the copy's state)."""
+    """A plain hook object: torch marks some hooks with attributes, which a bound method refuses;
+    a deepcopy rebinds it to the copy's state."""
 
     def __init__(self, hook: Callable[..., Any]) -> None:
         self.hook = hook
@@ -258,7 +244,7 @@ class _Hook:
 
 @functools.cache
 def _outside_compile_type() -> type:
-    # Made at the first fully_shard call, not at import: importing torch._dynamo costs ~1 s.
+    # Made at the first call, not at import: importing torch._dynamo costs ~1 s.
     disabled = torch._dynamo.disable(_OutsideCompile.run, recursive=True)
     return type("OutsideCompileHook", (_OutsideCompile,), {"__call__": disabled, "__module__": __name__})
 
@@ -295,9 +281,8 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
                 f"fully_shard was already applied to this {original}; a module can be sharded once. Fix: "
                 "remove the second call (to change options, rebuild the module)."
             )
-        if (
-            type(m).forward is nn.Module.forward and "forward" not in m.__dict__
-        ):  # torch.compile sets it on the instance
+        # torch.compile sets forward on the instance
+        if type(m).forward is nn.Module.forward and "forward" not in m.__dict__:
             raise ValueError(
                 f"fully_shard got a {type(m).__name__}, which has no forward of its own: its hooks would "
                 "never run, so its parameters would never be all-gathered. Fix: shard its children (for "

@@ -1,13 +1,10 @@
 """``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``: a full SPMD mesh
-(data-parallel dims and others, e.g. tensor parallel), as torchtitan's default path passes it.
+(data-parallel dims and others, e.g. tensor parallel), as torchtitan passes it.
 
-The data-parallel dims named by ``dp_mesh_dims`` become the mesh ``fully_shard`` shards over (one
-``shard`` dim: FSDP; ``replicate`` and ``shard``: HSDP; a tuple of names is flattened into one
-dim). Parameters that are already DTensors on the full mesh must be ``Replicate()`` on every
-data-parallel dim; their placements on the other dims describe tensor parallelism, so each is
-re-expressed, with the same local tensor, as a DTensor on the sub-mesh of those dims (the form
-`fully_shard` composes with, see tp.py); a parameter replicated everywhere becomes a plain tensor.
-With ``replicate`` and ``shard`` dims and tensor-parallel ones this is HSDP x TP on the joint mesh.
+The named data-parallel dims become the mesh to shard over (``shard`` only: FSDP; both: HSDP; a
+tuple of names is flattened). Parameters already DTensors on the full mesh must be ``Replicate()``
+on those dims; each is re-expressed, same local tensor, on the sub-mesh of the other dims (the
+tensor-parallel form `fully_shard` composes with), or as a plain tensor if replicated everywhere.
 """
 
 from __future__ import annotations
@@ -74,11 +71,23 @@ def _dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 
 
 def _flat_name(mesh: DeviceMesh, names: tuple[str, ...]) -> str:
-    """One dim's name for ``names``: itself, or the name of their flattening (registered on the
-    full mesh, so it can be sliced together with another dim)."""
+    """The name of one dim standing for ``names``: flattening registers it on the full mesh, so it
+    can be sliced together with another dim."""
     if len(names) == 1:
         return names[0]
     return _dim(mesh, names).mesh_dim_names[0]  # type: ignore[index]
+
+
+def to_dp_mesh(
+    modules: list[nn.Module], mesh: Optional[DeviceMesh], dp_mesh_dims: Any
+) -> tuple[Optional[DeviceMesh], list[tuple[nn.Module, str, nn.Parameter]]]:
+    """The mesh to shard over and, with ``dp_mesh_dims``, the parameters `localize_params` replaced."""
+    if dp_mesh_dims is None:
+        return mesh, []
+    dims = as_dp_mesh_dims(dp_mesh_dims)
+    dp, others = dp_mesh(mesh, dims)
+    dp_names = dims.replicate_names + dims.shard_names
+    return dp, localize_params(modules, mesh, dp_names, others)  # type: ignore[arg-type]
 
 
 def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[DeviceMesh, tuple[str, ...]]:
@@ -98,7 +107,6 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
         )
     others = tuple(n for n in names if n not in dp)
     if dims.replicate_names and dims.shard_names:
-        # HSDP: each side flattened into one dim when it names several (e.g. shard=("dp_shard", "cp")).
         order = [names.index(n) for n in dp]
         if order != sorted(order):
             raise ValueError(
@@ -119,45 +127,48 @@ def dp_mesh(mesh: Optional[DeviceMesh], dims: DataParallelMeshDims) -> tuple[Dev
 def localize_params(
     modules: list[nn.Module], mesh: DeviceMesh, dp_names: tuple[str, ...], others: tuple[str, ...]
 ) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Re-express parameters that are DTensors on the full mesh on the sub-mesh of ``others``
-    (or as plain tensors when replicated everywhere). Returns what it replaced, for a rollback."""
-    names = tuple(mesh.mesh_dim_names or ())
+    """Re-express the parameters that are DTensors on the full ``mesh`` (see the module docstring).
+    Returns what it replaced, for `restore`."""
     changes: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = []
     seen: dict[int, nn.Parameter] = {}
     for top in modules:
         for module in top.modules():
             for attr, param in list(module._parameters.items()):
-                if (
-                    not isinstance(param, DTensor)
-                    or param.device_mesh != mesh
-                    or manager_of(param) is not None
-                ):
-                    continue  # plain, on another mesh, or already sharded by an earlier call
-                placements = dict(zip(names, param.placements))
-                wrong = [n for n in dp_names if not isinstance(placements[n], Replicate)]
-                if wrong:
-                    raise ValueError(
-                        f"parameter '{attr}' of {type(module).__name__} is a DTensor on the full mesh with "
-                        f"placements {tuple(param.placements)}: on the data-parallel dims {wrong} it must be "
-                        "Replicate() (fully_shard shards it there). Fix: distribute it over the "
-                        "non-data-parallel dims only."
-                    )
-                if id(param) not in seen:
-                    local = param.to_local()
-                    rest = [placements[n] for n in others]
-                    if not others or all(isinstance(p, Replicate) for p in rest):
-                        new = nn.Parameter(local.detach(), requires_grad=param.requires_grad)
-                    else:
-                        sub = mesh[others[0]] if len(others) == 1 else mesh[others]
-                        dt = DTensor.from_local(
-                            local.detach(), sub, rest, shape=param.shape, stride=param.stride()
-                        )
-                        new = nn.Parameter(dt, requires_grad=param.requires_grad)
-                    seen[id(param)] = new
-                changes.append((module, attr, param, seen[id(param)]))
+                # skip plain ones, those on another mesh, and those an earlier call sharded
+                if isinstance(param, DTensor) and param.device_mesh == mesh and manager_of(param) is None:
+                    if id(param) not in seen:
+                        seen[id(param)] = _localized(param, attr, module, mesh, dp_names, others)
+                    changes.append((module, attr, param, seen[id(param)]))
     for module, attr, _, new in changes:
         module._parameters[attr] = new
     return [(module, attr, old) for module, attr, old, _ in changes]
+
+
+def _localized(
+    param: DTensor,
+    attr: str,
+    module: nn.Module,
+    mesh: DeviceMesh,
+    dp_names: tuple[str, ...],
+    others: tuple[str, ...],
+) -> nn.Parameter:
+    """``param`` on the sub-mesh of ``others``, same local tensor; plain if replicated there too."""
+    placements = dict(zip(mesh.mesh_dim_names or (), param.placements))
+    wrong = [n for n in dp_names if not isinstance(placements[n], Replicate)]
+    if wrong:
+        raise ValueError(
+            f"parameter '{attr}' of {type(module).__name__} is a DTensor on the full mesh with "
+            f"placements {tuple(param.placements)}: on the data-parallel dims {wrong} it must be "
+            "Replicate() (fully_shard shards it there). Fix: distribute it over the "
+            "non-data-parallel dims only."
+        )
+    local = param.to_local().detach()
+    rest = [placements[n] for n in others]
+    if all(isinstance(p, Replicate) for p in rest):
+        return nn.Parameter(local, requires_grad=param.requires_grad)
+    sub = mesh[others[0]] if len(others) == 1 else mesh[others]
+    dt = DTensor.from_local(local, sub, rest, shape=param.shape, stride=param.stride())
+    return nn.Parameter(dt, requires_grad=param.requires_grad)
 
 
 def restore(changes: list[tuple[nn.Module, str, nn.Parameter]]) -> None:

@@ -1,10 +1,5 @@
-"""``unsharded(model, writeback=...)``: every parameter full-size inside a ``with`` block.
-
-PyTorch's FSDP2 users ask for this (FSDP1's ``summon_full_params``) for evaluation, EMA
-updates and weight surgery. Inside the block each managed parameter is its full unsharded
-tensor; with ``writeback=True`` in-place writes to those tensors are copied back into this
-rank's shard on exit.
-"""
+"""``unsharded(model, writeback=...)``: every parameter full-size inside a ``with`` block (FSDP1's
+``summon_full_params``), for evaluation, EMA updates and weight surgery."""
 
 from __future__ import annotations
 
@@ -40,15 +35,11 @@ def _states(model: nn.Module, recurse: bool) -> list[FSDPState]:
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True) -> Iterator[nn.Module]:
-    """All-gather every group under ``model`` for the duration of the block (``recurse=False``:
-    only the groups of the ``fully_shard`` call applied to ``model`` itself).
+    """All-gather every group under ``model`` for the block (``recurse=False``: only ``model``'s own).
 
-    ``writeback=True`` copies the (possibly modified) full parameters back into the shards on
-    exit; without it, changes are dropped. If the block raises, nothing is written back (the
-    shards keep the values they had when it began) and the exception propagates. Blocks nest:
-    a group that was already unsharded when a block began (an outer block, an explicit
-    ``unshard()``) stays unsharded when it ends; the outermost block reshards. Use it under
-    ``torch.no_grad()``: gradients of the full tensors inside the block are not reduced.
+    ``writeback=True`` copies the full parameters back into the shards on exit (not if the block
+    raises); otherwise changes are dropped. Blocks nest: a group already unsharded when a block
+    began stays so. Use under ``torch.no_grad()``: gradients inside the block are not reduced.
     """
     if not isinstance(writeback, bool):
         raise ValueError(f"unsharded(writeback=...) must be True or False, got {writeback!r}.")
@@ -81,6 +72,5 @@ def _write_back(p: FSDPParam) -> None:
     full = unsharded.detach()
     if isinstance(full, DTensor):  # tensor parallel: this rank's TP-local tensor
         full = full.to_local()
-    # In place into the DTensor's local tensor: its version counter moves, so no group will use
-    # an unsharded copy gathered before the write.
+    # In place, so the version counter moves and no group reuses a copy gathered before the write.
     p.local_shard.copy_(p.local_chunk(full))

@@ -1,8 +1,8 @@
 """Optional features and checks built on the runtime (`fully_shard.quant`, a codec, is one too).
 
-Owns: per-parameter offload choosers (`offload`), the finite check (`finite`: a root's
-`gradient_check`), the schedule check (`schedule`: a per-root collective observer), and the traps
-that catch silent mistakes where they show (`traps`: an optimizer built before ``fully_shard``).
+Owns: per-parameter offload choosers (`offload`), the finite check (`finite`), the schedule check
+(`schedule`: a per-root collective observer), and the traps for silent mistakes (`traps`: an
+optimizer built before ``fully_shard``).
 
 May import: `layouts`, `runtime`.
 """

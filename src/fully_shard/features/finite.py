@@ -1,13 +1,6 @@
-"""Opt-in finite check: which parameters' gradients went NaN/Inf, on which ranks, before the
-optimizer writes them into the shards.
-
-Each rank's own gradient is looked at *before* the reduction (after it, one rank's NaN is in
-every rank's shard and its source is lost): one ``isfinite(...).all()`` per parameter, OR-ed into
-a per-parameter flag on the device (no host sync). At the end of the last backward before the
-step, one all-gather of those flags (one byte per parameter per rank) over every rank gives each
-rank the same report: ``raise`` mode raises `NonFiniteGradients` from ``backward()`` on every rank;
-``report`` mode keeps it for ``FSDPModule.nonfinite_grads()`` so every rank can skip the step
-together. Off (the default), it costs one ``None`` check per parameter per backward.
+"""Opt-in finite check: which parameters' gradients went NaN/Inf, on which ranks. Each rank's own
+gradient is flagged on the device *before* the reduction (after it, the source is lost); the last
+backward before the step all-gathers the flags, so every rank gets the same report.
 """
 
 from __future__ import annotations
@@ -70,7 +63,7 @@ class FiniteCheck:
         self.report: list[NonFinite] = []
 
     def observe(self, p: FSDPParam, grad: torch.Tensor) -> None:
-        """A gradient of ``p`` made on this rank, before its reduction: flag it if not finite."""
+        """Flag ``p`` if this rank's gradient, before its reduction, is not finite."""
         i = self._index.get(id(p))
         if i is not None and grad.numel():
             self.flags[i] |= (~torch.isfinite(grad).all()).to(torch.uint8)
@@ -81,7 +74,7 @@ class FiniteCheck:
             raise NonFiniteGradients(self.report)
 
     def gather(self) -> list[NonFinite]:
-        """Every rank's flags (one all-gather over all ranks), then reset: the report of this step."""
+        """This step's report from every rank's flags (one all-gather over all ranks); resets them."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             gathered = torch.empty(world * len(self.params), dtype=torch.uint8, device=self.flags.device)
@@ -99,8 +92,8 @@ class FiniteCheck:
 
 
 def configure(ctx: RootContext) -> None:
-    """Turn the finite check on or off for every group under the root ``ctx`` (at its lazy init,
-    and when ``set_grad_finite_check`` changes it)."""
+    """Turn the check on or off for every group under the root ``ctx`` (lazy init, and
+    ``set_grad_finite_check``)."""
     setting = ctx.root.settings.grad_finite_check
     mode = mode_from_env() if setting == "env" else None if setting == "off" else setting
     params = [p for s in ctx.states for g in s.own for p in g.params]

@@ -1,15 +1,6 @@
 """Per-parameter offload: which parameters of one ``fully_shard`` call keep their shards (and
-gradients and optimizer state) on the host, and which stay on the device.
-
-``fully_shard(..., offload_policy=...)`` takes, besides one policy for the whole call:
-
-* a mapping from ``fnmatch`` patterns (over parameter names relative to the module passed, e.g.
-  ``"*.w1.weight"`` or ``"experts.*"``) to policies: the first matching pattern decides, and a
-  parameter no pattern matches stays on the device;
-* a callable ``param -> policy`` (or ``None`` for the device), e.g. `offload_by_budget`'s plan.
-
-Every choice is made, and checked, before ``fully_shard`` changes anything.
-"""
+gradients and optimizer state) on the host. Every choice is made and checked before ``fully_shard``
+changes anything."""
 
 from __future__ import annotations
 
@@ -25,7 +16,12 @@ Chooser = Callable[[nn.Parameter, str], Optional[CPUOffloadPolicy]]
 
 
 def offload_chooser(value: Any) -> Chooser:
-    """Turn ``fully_shard``'s ``offload_policy`` into ``(param, name) -> CPUOffloadPolicy | None``."""
+    """Turn ``fully_shard``'s ``offload_policy`` into ``(param, name) -> CPUOffloadPolicy | None``.
+
+    ``value`` is one policy; a mapping from ``fnmatch`` patterns over parameter names (relative to the
+    module passed) to policies, where the first match decides and no match means the device; or a
+    callable ``param -> policy | None`` (e.g. `offload_by_budget`'s plan).
+    """
     if isinstance(value, Mapping):
         rules = []
         for pattern, policy in value.items():
@@ -33,28 +29,25 @@ def offload_chooser(value: Any) -> Chooser:
                 raise TypeError(
                     f"offload_policy mapping keys must be parameter-name patterns (str), got {pattern!r}."
                 )
-            rules.append((pattern, as_offload_policy(policy)))
+            rules.append((pattern, _on_host(policy)))
 
         def by_name(param: nn.Parameter, name: str) -> Optional[CPUOffloadPolicy]:
             for pattern, policy in rules:
                 if fnmatch.fnmatchcase(name, pattern):
-                    return policy if isinstance(policy, CPUOffloadPolicy) else None
+                    return policy
             return None
 
         return by_name
     if callable(value) and not isinstance(value, OffloadPolicy):
-
-        def by_call(param: nn.Parameter, name: str) -> Optional[CPUOffloadPolicy]:
-            chosen = value(param)
-            if chosen is None:
-                return None
-            policy = as_offload_policy(chosen)
-            return policy if isinstance(policy, CPUOffloadPolicy) else None
-
-        return by_call
-    policy = as_offload_policy(value)
-    fixed = policy if isinstance(policy, CPUOffloadPolicy) else None
+        return lambda param, name: _on_host(value(param))
+    fixed = _on_host(value)
     return lambda param, name: fixed
+
+
+def _on_host(policy: object) -> Optional[CPUOffloadPolicy]:
+    """The host policy ``policy`` (any form `as_offload_policy` takes) asks for, or ``None`` (device)."""
+    policy = as_offload_policy(policy)
+    return policy if isinstance(policy, CPUOffloadPolicy) else None
 
 
 class OffloadPlan:
@@ -80,22 +73,22 @@ class OffloadPlan:
 def offload_by_budget(
     model: nn.Module, budget_bytes: int, policy: Optional[CPUOffloadPolicy] = None
 ) -> OffloadPlan:
-    """Offload the largest parameters of ``model`` whose (unsharded) bytes add up to at most
-    ``budget_bytes``; the rest stays on the device. Pass the result as ``offload_policy`` to every
-    ``fully_shard`` call on the model (before any of them runs: it recognises the parameters)."""
+    """Offload the largest parameters of ``model`` whose unsharded bytes fit in ``budget_bytes``.
+
+    Pass the result as ``offload_policy`` to every ``fully_shard`` call on the model, before any of
+    them runs (it recognises the parameters). Raises ``ValueError`` on a negative or non-int budget.
+    """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"offload_by_budget expects a byte budget >= 0, got {budget_bytes!r}.")
     policy = policy if policy is not None else CPUOffloadPolicy()
-    sized = sorted(
-        ((n, p) for n, p in model.named_parameters()),
-        key=lambda item: item[1].numel() * item[1].element_size(),
-        reverse=True,
-    )
     chosen: dict[str, nn.Parameter] = {}
     total = 0
-    for name, p in sized:
-        size = p.numel() * p.element_size()
-        if total + size <= budget_bytes:
+    for name, p in sorted(model.named_parameters(), key=lambda item: _nbytes(item[1]), reverse=True):
+        if total + _nbytes(p) <= budget_bytes:
             chosen[name] = p
-            total += size
+            total += _nbytes(p)
     return OffloadPlan(chosen, policy, total)
+
+
+def _nbytes(p: nn.Parameter) -> int:
+    return p.numel() * p.element_size()

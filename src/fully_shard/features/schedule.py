@@ -1,28 +1,7 @@
-"""Opt-in schedule check: ranks that are about to issue different collectives raise, within
-seconds, instead of hanging for the process group's timeout (30 minutes by default) or pairing
-the wrong buffers silently.
-
-Before each collective fully_shard issues, a rank writes a fingerprint (op, module(s), dtype,
-bytes) under ``fully_shard/schedule/<process group>/<n>/<rank>`` in the default process group's
-store (the side channel ``torchrun`` set up; it has nothing to do with the collectives), then
-waits, with its own short timeout, for the fingerprints of the other ranks of that process group
-for the same sequence number ``n``. Different fingerprints, or one missing after the timeout (a
-rank skipped a backward, or is stuck elsewhere), raise `ScheduleDivergence` on the ranks that
-see it, naming what each rank was about to do and the last collective they agreed on. Nothing
-mismatched is ever issued, so the process group stays usable.
-
-Turn it on with ``fully_shard.debug.set_schedule_check(True, timeout=10.0)`` or the environment
-variable ``FULLY_SHARD_CHECK_SCHEDULE=1`` (``FULLY_SHARD_SCHEDULE_TIMEOUT`` seconds, default 10).
-It costs one store round trip per collective (benchmarks/bench_step.py ``--schedule-check``).
-Off, it costs nothing: no root has the observer (`attach_to`).
-
-Each root (each `CommContext`: roots that share one share it) checks through its own
-`ScheduleCheck` observer, with its own sequence numbers, so ranks that run as threads of one
-process never share a counter. Its keys carry the root's ordinal on this rank (the n-th root to
-turn the check on, counted in the store), which is the same on every rank that builds its
-models in the same order.
-
-Imports: the collective descriptor only.
+"""Opt-in schedule check (docs/reliability.md): before each collective, ranks compare fingerprints
+through the default store and raise `ScheduleDivergence` within seconds instead of hanging or
+pairing the wrong buffers; nothing mismatched is issued. Each root counts on its own, so ranks run
+as threads never share a counter; its store keys carry the root's ordinal on this rank.
 """
 
 from __future__ import annotations
@@ -56,20 +35,17 @@ class _Sequence:
 
 
 class ScheduleCheck:
-    """One root's schedule check (a `CommContext` observer), attached while the process-wide
-    setting is on (`attach_to`); a new one starts counting afresh."""
+    """One root's check (a `CommContext` observer); a new one starts counting afresh."""
 
     def __init__(self) -> None:
         self._run: Optional[_Sequence] = None
 
-    def begin_step(self) -> None:
-        pass
+    # Observer hooks the check has no use for.
+    def begin_step(self) -> None: ...
 
-    def after(self, c: Collective) -> None:
-        pass
+    def after(self, c: Collective) -> None: ...
 
-    def attach(self, root: object) -> None:
-        pass
+    def attach(self, root: object) -> None: ...
 
     def before(self, c: Collective) -> None:
         timeout = _timeout
@@ -130,13 +106,13 @@ _FIX = (
     "root), and one thread must drive a model at a time."
 )
 
-# The process-wide setting (a timeout in seconds, or None: off). Each root's check reads it; the
-# counting state is the root's own.
+# The process-wide setting: a timeout in seconds, or None (off). Counting is each root's own.
 _timeout: Optional[float] = None
 
 
 def set_schedule_check(enabled: bool, timeout: float = 10.0) -> None:
-    """Turn the schedule check on (every root, before its next collective) or off."""
+    """Turn the schedule check on (every root, from its next collective) or off.
+    Raises ``ValueError`` unless ``enabled`` is a bool and ``timeout`` > 0 seconds."""
     global _timeout
     if not isinstance(enabled, bool):
         raise ValueError(f"set_schedule_check(enabled=...) must be True or False, got {enabled!r}.")
@@ -148,8 +124,7 @@ def set_schedule_check(enabled: bool, timeout: float = 10.0) -> None:
 
 
 def attach_to(root: Any) -> None:
-    """Give ``root`` (a `RootContext`) a `ScheduleCheck` while the check is on, and take it away
-    while it is off (roots sharing a `CommContext` share one)."""
+    """Give ``root`` (a `RootContext`) a `ScheduleCheck` while the check is on, remove it while off."""
     observers = root.comm.observers
     mine = [o for o in observers if isinstance(o, ScheduleCheck)]
     if _timeout is None:

@@ -1,14 +1,9 @@
-"""Silent traps in the code around ``fully_shard``, caught where they first show.
+"""Silent traps around ``fully_shard``, caught at the first optimizer step.
 
-An optimizer built before ``fully_shard`` holds the parameters as they were: ``fully_shard``
-replaced them in the model with sharded DTensors, so that optimizer would step tensors nothing
-uses, and the model would never train. Next to sharded parameters, an optimizer that also holds
-plain parameters no ``fully_shard`` call manages (blocks sharded but not the root) steps them with
-each rank's own gradients: they are never synchronised and the ranks drift apart.
-
-Both show in the optimizer's parameter lists, so one global optimizer step pre-hook (installed at
-the first ``fully_shard`` call) looks at each optimizer once, and again only when its parameter
-count changes (``add_param_group``): the first raises, the second warns once per optimizer.
+An optimizer built before ``fully_shard`` holds the replaced parameters and would never train the
+model (raised). One that also holds plain parameters no ``fully_shard`` call manages steps them with
+each rank's own gradients, so ranks drift apart (warned once per optimizer). One global step
+pre-hook looks at each optimizer again only when its parameter count changes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`ShardLayout`: where one parameter's elements go when sharded. Pure arithmetic, no tensors.
 
-A parameter of shape ``shape`` is sharded on dim ``dim`` over ``world`` ranks with
-``torch.chunk`` semantics (what ``Shard(dim)`` means): ``rows = ceil(n / world)`` rows of that dim
-per rank, rank ``r`` holding rows ``[r * rows, (r + 1) * rows)`` clipped to ``n``, so ranks past
-the end hold empty shards. Collectives always move dim 0: the sharded dim is moved to the front
-(``moved_shape``) and each rank's chunk is padded to ``rows`` rows, ``shard_numel`` elements, so
-every rank sends the same number of elements and any size works.
+Dim ``dim`` of size ``n`` is split with ``torch.chunk`` semantics (``Shard(dim)``): ``rows =
+ceil(n / world)`` rows per rank, rank ``r`` holding ``[r * rows, (r + 1) * rows)`` clipped to ``n``
+(ranks past the end hold empty shards). Collectives move dim 0: the sharded dim goes in front
+(``moved_shape``) and each chunk is padded to ``rows`` rows, so every rank sends the same count.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ class ShardLayout:
     local_rows: int = field(init=False)  # rows this rank really holds (0 past the end)
     start: int = field(init=False)  # first row of this rank's chunk (clipped to the dim's size)
     moved_shape: torch.Size = field(init=False)  # ``shape`` with the sharded dim in front
-    row_numel: int = field(init=False)  # elements per row of ``moved_shape``
     shard_numel: int = field(init=False)  # elements per rank in a collective (padding included)
 
     def __post_init__(self) -> None:
@@ -48,7 +45,6 @@ class ShardLayout:
             "local_rows": local_rows(n, self.world, self.rank),
             "start": min(self.rank * rows, n),
             "moved_shape": moved,
-            "row_numel": math.prod(moved[1:]),
             "shard_numel": rows * math.prod(moved[1:]),
         }
         for name, value in values.items():
@@ -63,7 +59,7 @@ class ShardLayout:
 
     @property
     def padded_shape(self) -> torch.Size:
-        """This rank's shard padded to ``rows`` rows, in the original dim order (dim 0 only)."""
+        """This rank's shard padded to ``rows`` rows (dim 0 only)."""
         return torch.Size([self.rows, *self.shape[1:]])
 
     @property

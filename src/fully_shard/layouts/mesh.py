@@ -17,9 +17,8 @@ from torch.distributed.tensor.placement_types import Placement
 class MeshInfo:
     """The data-parallel mesh of one ``fully_shard`` call.
 
-    ``group``/``world_size``/``rank`` describe the shard dimension (the last mesh dim). On a 2-D
-    HSDP mesh ``(replicate, shard)`` the first dimension holds replicas: ``replicate_group`` is
-    the process group gradients are all-reduced over after the reduce-scatter.
+    ``group``/``world_size``/``rank`` describe the shard dim (the last mesh dim). On a 2-D HSDP mesh
+    ``(replicate, shard)``, gradients are all-reduced over ``replicate_group`` after the reduce-scatter.
     """
 
     mesh: DeviceMesh
@@ -30,28 +29,24 @@ class MeshInfo:
     replicate_group: Optional[dist.ProcessGroup] = None
     replicate_size: int = 1
     native_avg: bool = False  # the backend averages in-kernel (NCCL's AVG / PreMulSum)
-    # `replicate`: a 1-D mesh of replicas, no shard dimension (a shard world of 1; parameters are
-    # ``Replicate()`` DTensors on the mesh; gradients are all-reduced over it).
-    replicate_only: bool = False
-    is_hsdp: bool = field(init=False)  # a replicate group to all-reduce over
-    # Ranks that see different data: replicas times shards (the default gradient divisor).
-    data_parallel_size: int = field(init=False)
+    replicate_only: bool = False  # `replicate`: a shard world of 1, parameters are Replicate() DTensors
+    is_hsdp: bool = field(init=False)
+    data_parallel_size: int = field(init=False)  # replicas x shards: the default gradient divisor
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "is_hsdp", self.replicate_group is not None)
         object.__setattr__(self, "data_parallel_size", self.replicate_size * self.world_size)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "MeshInfo":
-        return self  # immutable, and names the shared mesh and process groups a copy runs on too
+        return self  # a deep-copied module runs on the same mesh and process groups
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh of the shard dimension (what all-gather extensions are given): the mesh
-        itself on a 1-D mesh, its last dimension on an HSDP mesh."""
+        """The 1-D mesh of the shard dim (what all-gather extensions are given)."""
         if self.mesh.ndim == 1:
             return self.mesh
         names = self.mesh.mesh_dim_names
-        if names is None:  # an unnamed 2-D mesh cannot be sliced by name: the whole mesh
+        if names is None:  # an unnamed 2-D mesh cannot be sliced by name
             return self.mesh
         return self.mesh[names[-1]]
 
@@ -63,11 +58,7 @@ class MeshInfo:
 
 
 def default_device_type() -> str:
-    """The current accelerator's type if there is one, else ``cpu``.
-
-    Uses ``torch.accelerator`` so that no particular backend (CUDA, XPU, ...) is hard-coded and
-    nothing is initialised just by asking.
-    """
+    """The current accelerator's type, else ``cpu`` (no backend hard-coded, nothing initialised)."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     return accelerator.type if accelerator is not None else "cpu"
 
@@ -82,14 +73,13 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(default_device_type(), (dist.get_world_size(),))
 
 
-# Set by `fully_shard.plan.simulate`: meshes made meanwhile compute on the meta device (shapes
-# and sizes only), so the real runtime plans a step at any world size without real memory.
+# Set by `fully_shard.plan.simulate`: meshes made meanwhile compute on the meta device, so a step
+# can be planned at any world size without real memory.
 SIMULATING: ContextVar[bool] = ContextVar("fully_shard_simulating", default=False)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh``: CPU, or the current device of its
-    accelerator (the meta device while `fully_shard.plan` simulates)."""
+    """This rank's device for ``mesh``: CPU, the accelerator's current device, or meta (simulating)."""
     if SIMULATING.get():
         return torch.device("meta")
     if mesh.device_type == "cpu":
@@ -124,8 +114,7 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
 
 
 def replicate_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
-    """`replicate` on a 1-D mesh: one shard rank (nothing to gather or reduce-scatter), the mesh's
-    ranks as replicas (gradients all-reduced over them)."""
+    """`replicate` on a 1-D mesh: a shard world of 1, the mesh's ranks as replicas."""
     mesh = default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"replicate(mesh=...) expects a DeviceMesh, got {type(mesh).__name__}.")
@@ -151,12 +140,8 @@ def replicate_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
 
 @dataclass(frozen=True)
 class PostForwardGroup:
-    """``reshard_after_forward=k``: the ``k`` consecutive shard ranks this rank keeps a share with.
-
-    Between forward and backward this rank holds shard-world rows ``[pos * W/k, (pos+1) * W/k)``
-    of each parameter, so backward all-gathers over ``group`` (``k`` ranks, e.g. one node)
-    instead of the whole shard world.
-    """
+    """``reshard_after_forward=k``: the ``k`` consecutive shard ranks this rank keeps a share with,
+    so backward all-gathers over ``group`` (e.g. one node) instead of the whole shard world."""
 
     group: dist.ProcessGroup
     size: int
@@ -168,9 +153,7 @@ class PostForwardGroup:
 
 def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:
     """Create the ``W / size`` subgroups of ``info``'s shard group and return this rank's.
-
-    ``new_group`` is collective: every rank must call this in the same order (lazy init does).
-    """
+    ``new_group`` is collective: every rank must call this in the same order (lazy init does)."""
     ranks = dist.get_process_group_ranks(info.group)
     mine: Optional[dist.ProcessGroup] = None
     for start in range(0, info.world_size, size):

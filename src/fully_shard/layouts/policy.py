@@ -1,12 +1,9 @@
-"""User-facing policies: how parameters are cast and where sharded state lives.
-
-They are frozen dataclasses validated on construction, so a bad policy fails where it was
-written, not deep inside the first all-gather.
-"""
+"""User-facing policies: how parameters are cast and where sharded state lives. Frozen and
+validated on construction, so a bad policy fails where it was written."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -26,11 +23,8 @@ def _check_dtype(field: str, value: Optional[torch.dtype]) -> None:
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Dtypes for the all-gathered parameters, the gradient reduction and the outputs.
-
-    ``None`` everywhere (the default) means: compute and communicate in each parameter's
-    original dtype.
-    """
+    """Dtypes for the all-gathered parameters, the gradient reduction and the outputs; ``None``
+    keeps each parameter's original dtype. Raises ``ValueError`` on a non-float dtype."""
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
@@ -54,10 +48,7 @@ class OffloadPolicy:
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters and gradients on CPU; copy a shard to the device for each all-gather.
-
-    ``pin_memory`` pins the CPU shards so host-to-device copies can be non-blocking. It has no
-    effect on a CPU-only mesh.
-    """
+    ``pin_memory`` pins the CPU shards for non-blocking copies (no effect on a CPU-only mesh)."""
 
     pin_memory: bool = True
 
@@ -81,12 +72,7 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
     if isinstance(policy, MixedPrecisionPolicy):
         return policy
     if _is_torch_policy(policy, "MixedPrecisionPolicy"):
-        return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype,  # type: ignore[attr-defined]
-            reduce_dtype=policy.reduce_dtype,  # type: ignore[attr-defined]
-            output_dtype=policy.output_dtype,  # type: ignore[attr-defined]
-            cast_forward_inputs=policy.cast_forward_inputs,  # type: ignore[attr-defined]
-        )
+        return MixedPrecisionPolicy(**{f.name: getattr(policy, f.name) for f in fields(MixedPrecisionPolicy)})
     raise TypeError(
         "mp_policy must be a fully_shard.MixedPrecisionPolicy (PyTorch's FSDP2 MixedPrecisionPolicy is "
         f"converted too), got {_class_path(policy)}. Fix: pass "
@@ -95,8 +81,7 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
 
 
 def as_offload_policy(policy: object) -> OffloadPolicy:
-    """Ours as is; PyTorch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` converted; ``None`` means no
-    offload (PyTorch's ``fully_shard`` treats it so); else refused."""
+    """Ours as is; PyTorch's converted; ``None`` means no offload (as in PyTorch); else refused."""
     if policy is None:
         return OffloadPolicy()
     if isinstance(policy, OffloadPolicy):

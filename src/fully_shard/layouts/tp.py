@@ -1,9 +1,8 @@
 """Tensor parallelism under ``fully_shard``: a parameter that is already a DTensor on a TP mesh.
 
-``fully_shard`` shards its TP-local tensor over the data-parallel mesh (1-D, or 2-D HSDP). The
-sharded parameter is a DTensor on the joint ``(dp..., tp)`` mesh; the unsharded one a DTensor on
-the TP mesh again, as the TP-parallelised module expects; its gradient goes back to the TP
-placements before the reduce-scatter.
+Its TP-local tensor is sharded over the data-parallel mesh: the sharded parameter is a DTensor on
+the joint ``(dp..., tp)`` mesh, the unsharded one a DTensor on the TP mesh again (what the TP module
+expects), and its gradient goes back to the TP placements before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class TPSpec:
         return joint_mesh(dp_mesh, self.mesh), (*dp_placements, *self.placements)
 
     def unsharded(self, local: torch.Tensor) -> DTensor:
-        """The TP-local unsharded tensor as the DTensor the TP-parallelised module computes with."""
+        """The TP-local unsharded tensor as the DTensor the TP module computes with."""
         return DTensor.from_local(
             local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
         )

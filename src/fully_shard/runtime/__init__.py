@@ -1,14 +1,10 @@
 """The runtime: the engine that moves parameters between their sharded and unsharded forms.
 
-Owns: per-module state and its lifecycle (`state.FSDPState`, the tables `state.MODULE` /
-`state.ITERATION`, `lifecycle`), per-root state (`state.RootContext`), parameter groups
-(`param_group.FSDPParamGroup`, one all-gather and one reduce-scatter each) and buckets of them
-(`bucket`), one parameter's forms (`param.FSDPParam`), all-gather extensions (`extension`),
-collectives as values and their observers (`collective`), where collectives run (`comm`: streams
-on accelerators, async work on CPU), the flat-buffer copies and reductions (`collectives`),
-which FSDPParam manages a tensor (`registry`), the watchdog, deepcopy support (`copying`) and where
-offloaded shards live (`host`).
+Owns: per-module and per-root state and their lifecycles (`state`, `lifecycle`, `settings`), parameter
+groups and their buckets (`param_group`, `bucket`), one parameter's forms (`param`, all-gather
+`extension`s), collectives and where they run (`collective`, `comm`, `collectives`), which FSDPParam
+manages a tensor (`registry`), the `watchdog`, deepcopy (`copying`) and offloaded shards (`host`).
 
-May import: `layouts`. Features, the API and tools attach to it through its interfaces
+May import: `layouts`. Features, the API and tools attach through its interfaces
 (`CommContext.observers`, `RootContext.gradient_check`, `FSDPState.setup_root`), never the reverse.
 """

@@ -1,19 +1,12 @@
-"""A collective as a value: what is about to run, why, and who watches it.
-
-Every collective fully_shard issues is described once by a frozen `Collective` and handed to
-`CommContext.issue`, which calls each observer of the root before and after it runs: the trace
-(`fully_shard.debug`), the schedule check (`fully_shard.features.schedule`), and through the trace the
-memory counter and the planner. Nothing else announces a collective.
-
-Imports: torch only. Everything that issues or watches collectives imports this.
-"""
+"""A collective as a value (`Collective`), why it runs (`Reason`), and who watches it
+(`CollectiveObserver`, called by `CommContext.issue`). Imports: torch only."""
 
 from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,15 +37,14 @@ class Reason(str, Enum):
         return self in (Reason.FORWARD, Reason.FORWARD_PREFETCH)
 
 
-# Driven by the module hooks: only these gather a whole bucket (bucket.py), and only these rely on
-# the root's forward start to have looked for changes (`FSDPParamGroup.notice_changes`).
+# Only these gather a whole bucket and rely on the root's forward start to run `notice_changes`.
 HOOK_DRIVEN = frozenset({Reason.FORWARD, Reason.FORWARD_PREFETCH, Reason.BACKWARD, Reason.BACKWARD_PREFETCH})
 
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective this rank is about to issue. ``modules`` names the group(s) it serves (joined
-    by ``+`` for a bucket); ``nbytes`` is the all-gather output / reduce-scatter input on this rank."""
+    """One collective this rank is about to issue. ``modules``: the group(s) it serves, joined by
+    ``+``; ``nbytes``: the all-gather output / reduce-scatter input on this rank."""
 
     op: Op
     reason: Reason
@@ -60,21 +52,20 @@ class Collective:
     dtype: torch.dtype
     nbytes: int
     group: dist.ProcessGroup
-    reduction: Optional["Reduction"] = None
+    reduction: Reduction | None = None
 
     def describe(self) -> str:
-        """As errors and the watchdog name it: ``all_gather of 'blocks.1' (float32, 512 bytes)``."""
+        """For errors and the watchdog: ``all_gather of 'blocks.1' (float32, 512 bytes)``."""
         dtype = str(self.dtype).replace("torch.", "")
         return f"{self.op.value} of '{self.modules or '<root>'}' ({dtype}, {self.nbytes} bytes)"
 
     def __str__(self) -> str:
-        """How a wait names it: ``the all_gather of 'blocks.1' (forward)``."""
         return f"the {self.op.value} of '{self.modules or '<root>'}' ({self.reason.value})"
 
 
 class CollectiveObserver(Protocol):
-    """Watches the collectives of the roots it is attached to (`CommContext.observers`). The comm
-    layer calls it and never imports it. ``before`` may raise: the collective is then not issued."""
+    """Watches a root's collectives (`CommContext.observers`); the comm layer calls it and never
+    imports it. ``before`` may raise, and then the collective is not issued."""
 
     def begin_step(self) -> None: ...
 
@@ -86,7 +77,6 @@ class CollectiveObserver(Protocol):
         """A root (`RootContext`) whose work started in this observer's context."""
 
 
-# Observers opened in this thread (``fully_shard.debug.trace()``): a root attaches them when its
-# forward or an explicit unshard starts in this thread. Per thread, so ranks run as threads each
-# see only their own.
+# Observers opened in this thread (``fully_shard.debug.trace()``), attached by a root when its work
+# starts here. Per thread, so ranks run as threads each see only their own.
 ACTIVE_OBSERVERS: ContextVar[tuple[CollectiveObserver, ...]] = ContextVar("fully_shard_observers", default=())

@@ -1,17 +1,17 @@
 """Pure functions over flat buffers: copy-in, all-gather, copy-out, reduce-scatter.
 
-Layout shared by both directions, for a group whose parameters contribute ``s_1 .. s_k`` elements
-per rank (padding included) and ``S = sum(s_i)``: a flat buffer of ``W * S`` elements is viewed
-as ``(W, S)``; row ``r`` is rank ``r``'s slot, and inside it parameter ``i`` occupies columns
-``[s_1 + .. + s_{i-1}, .. + s_i)``. All-gather fills every row; reduce-scatter leaves rank ``r``
-with the sum of row ``r``.
+The layout both directions share, for a group whose parameters put ``s_1 .. s_k`` elements (padding
+included) in each rank's slot of ``S = sum(s_i)``: a flat ``W * S`` buffer viewed as ``(W, S)``,
+row ``r`` rank ``r``'s slot, parameter ``i`` in columns ``[s_1 + .. + s_{i-1}, .. + s_i)``.
+All-gather fills every row; reduce-scatter leaves rank ``r`` with the sum of row ``r``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def empty_buffer(size: int, dtype: torch.dtype, device: torch.device, comm: Any) -> torch.Tensor:
-    """A communication buffer: from a custom comm's ``allocate`` (``set_custom_all_gather`` /
-    ``set_custom_reduce_scatter``) when there is one, else the caching allocator."""
+    """From a custom comm's ``allocate`` when there is one, else the caching allocator."""
     if comm is None:
         return torch.empty(size, dtype=dtype, device=device)
     return comm.allocate((size,), dtype=dtype, device=device)
@@ -37,11 +36,10 @@ def all_gather_copy_in(
     device: torch.device,
     comm: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate the all-gather output (``W * S`` elements of ``dtype``, held as bytes) and copy
-    this rank's inputs into its own slot, casting them to ``dtype`` on the way (no temporaries).
+    """Allocate the ``(W, S)`` output (as bytes) and cast this rank's inputs into its own row.
 
-    Returns ``(input, output)`` as byte tensors; the input is a view of the output (an in-place
-    all-gather), so copy-in costs one buffer, not two.
+    Returns ``(input, output)``: the input is a view of the output (an in-place all-gather), so
+    copy-in costs one buffer, not two.
     """
     numels, flats = [], []
     for t in inputs:
@@ -56,14 +54,14 @@ def all_gather_copy_in(
 
 def all_gather(
     output: torch.Tensor, ag_input: torch.Tensor, group: dist.ProcessGroup, async_op: bool, comm: Any = None
-) -> Optional[dist.Work]:
-    if comm is not None:  # a custom AllGather (PyTorch's interface, called by keyword as PyTorch does)
+) -> dist.Work | None:
+    if comm is not None:  # a custom AllGather: PyTorch's interface, called by keyword as PyTorch does
         return comm(output_tensor=output, input_tensor=ag_input, group=group, async_op=async_op)
     return _all_gather_flat(output, ag_input, group=group, async_op=async_op)
 
 
 def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
-    """Scatter the ``(W, S)`` all-gather output into each parameter's ``(W, s_i)`` buffer."""
+    """Scatter the ``(W, S)`` output into each parameter's ``(W, s_i)`` buffer."""
     split_sizes = []
     for out in outs:
         split_sizes.append(out.shape[1])
@@ -78,10 +76,7 @@ def reduce_scatter_copy_in(
     device: torch.device,
     comm: Any = None,
 ) -> torch.Tensor:
-    """Pad each gradient's dim 0 to a multiple of ``W`` and lay the ranks' chunks out as ``(W, S)``.
-
-    ``slot`` is ``S``: the padded shard sizes of these gradients' parameters, summed.
-    """
+    """Pad each gradient's dim 0 to a multiple of ``W`` and lay the chunks out as ``(W, slot)``."""
     flat = empty_buffer(world_size * slot, dtype, device, comm).view(world_size, slot)
     torch._chunk_cat(list(grads), dim=0, num_chunks=world_size, out=flat)  # casts into ``dtype``
     return flat.view(-1)
@@ -89,8 +84,8 @@ def reduce_scatter_copy_in(
 
 @dataclass(frozen=True)
 class Reduction:
-    """How gradients are averaged: divide by ``before``, reduce-scatter with ``op``, all-reduce
-    across HSDP replicas with ``all_reduce_op``, divide by ``after``. ``name`` is what traces show."""
+    """Divide by ``before``, reduce-scatter with ``op``, all-reduce across HSDP replicas with
+    ``all_reduce_op``, divide by ``after``. ``name`` is what traces show."""
 
     before: float
     op: Any
@@ -100,9 +95,8 @@ class Reduction:
 
 
 def split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float]:
-    """(before, after) the sum. Low-precision sums divide part of the way first (the largest
-    power of two <= sqrt(factor): exact) so the sum of ``W`` gradients cannot overflow, and the
-    rest after so small values do not underflow. Wider dtypes divide once, after."""
+    """(before, after) the sum. fp16/bf16 divide first by the largest power of two <= sqrt(factor)
+    (exact) so the sum cannot overflow, and by the rest after so small values do not underflow."""
     if dtype not in (torch.float16, torch.bfloat16) or factor <= 1:
         return 1.0, factor
     before = 2.0 ** math.floor(math.log2(math.sqrt(factor)))
@@ -112,13 +106,9 @@ def split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float
 def plan_reduction(
     factor: float, dtype: torch.dtype, rs_size: int, dp_size: int, native_avg: bool, force_sum: bool
 ) -> Reduction:
-    """Choose the reduction of one reduce-scatter (+ HSDP all-reduce) dividing by ``factor``.
-
-    Backends with in-kernel averaging (``native_avg``: NCCL) average fp32 and bf16 there, with no
-    separate division kernels: AVG when dividing by the ranks, else PreMulSum(1 / factor).
-    ``force_sum`` (set_force_sum_reduction_for_comms), other dtypes and other backends: SUM, with
-    the division done by us around it (see `split_divide_factor`).
-    """
+    """The reduction dividing by ``factor``. With in-kernel averaging (``native_avg``: NCCL), fp32
+    and bf16 use AVG or PreMulSum(1 / factor): no division kernels. Otherwise, or with
+    ``force_sum``: SUM, dividing around it (`split_divide_factor`)."""
     sum_op = dist.ReduceOp.SUM
     # rs_size > 1: with one shard rank the reduce-scatter is skipped, and its division with it.
     if native_avg and not force_sum and dtype in (torch.float32, torch.bfloat16) and rs_size > 1:
@@ -138,15 +128,9 @@ def reduce_scatter(
     async_op: bool,
     op: Any,
     comm: Any = None,
-) -> Optional[dist.Work]:
+) -> dist.Work | None:
     if rs_input.is_complex():  # summed as (real, imag) pairs: each rank's chunk stays whole
         output, rs_input = torch.view_as_real(output).view(-1), torch.view_as_real(rs_input).view(-1)
-    if comm is not None:  # a custom ReduceScatter (PyTorch's interface, called by keyword)
+    if comm is not None:  # a custom ReduceScatter: PyTorch's interface, called by keyword
         return comm(output_tensor=output, input_tensor=rs_input, group=group, op=op, async_op=async_op)
     return _reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)
-
-
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: Any) -> None:
-    """HSDP: combine the replicas' reduce-scatter outputs. Synchronous on CPU (it runs when the
-    reduce-scatter is waited for); stream-ordered on accelerators."""
-    dist.all_reduce(tensor, op=op, group=group)

@@ -1,9 +1,6 @@
-"""``copy.deepcopy`` of a sharded model: an independent sharded model on the same mesh.
-
-Each runtime object copies its fields, except those that describe one iteration in flight
-(fresh in the copy) and those that name shared resources (meshes, process groups: the copy uses
-the same ones, so it communicates with the same ranks). The copy finds its own root at its first
-forward, like a freshly sharded model.
+"""``copy.deepcopy`` of a sharded model: an independent sharded model on the same mesh. Fields that
+describe an iteration in flight start fresh; meshes and process groups are shared, so the copy
+talks to the same ranks. It finds its own root at its first forward.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ T = TypeVar("T")
 
 
 def copy_fields(obj: T, memo: dict[int, Any], **fresh: Any) -> T:
-    """A new ``type(obj)`` whose fields are deep copies of ``obj``'s, but ``fresh``'s given values."""
+    """A new ``type(obj)`` with deep copies of ``obj``'s fields, except those given in ``fresh``."""
     new = object.__new__(type(obj))
     memo[id(obj)] = new
     for name, value in obj.__dict__.items():

@@ -1,34 +1,19 @@
-"""All-gather extensions: a parameter chooses what its all-gather moves and how its unsharded
-form is rebuilt from what arrived (PyTorch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
-protocol).
+"""All-gather extensions (PyTorch's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` protocol):
+the local shard's own methods (a tensor subclass such as torchao's float8, or methods set on the
+instance), else a codec (``FSDPModule.set_all_gather_codec``) called with the local shard first.
 
-Where the hooks come from, checked at every all-gather (one ``getattr`` per parameter):
-
-* the sharded local tensor defines both methods: a tensor subclass (torchao's float8 or NF4
-  weights) or methods set on the tensor instance;
-* otherwise a codec set with ``FSDPModule.set_all_gather_codec`` (e.g. `fully_shard.quant.Int8AllGather`),
-  called with the local tensor as its first argument.
-
-The protocol, per parameter and all-gather:
-
-* ``pre(mesh)`` (older signature) or ``pre(mesh, outer_size, outer_stride, module, mp_policy)``
-  returns ``(inputs, metadata)``: the tensors to all-gather (any number, any dtype) and anything
-  the rebuild needs. ``mesh`` is the 1-D shard mesh; ``outer_size`` the unsharded shape.
-* Each input is gathered over the shard ranks; its output is ``(W * size[0], *size[1:])``. The
-  outputs live as long as the parameter: resharding frees their memory (storage resized to 0)
-  and the next unshard writes into the same tensors.
-* ``post(outputs, metadata, param_dtype)`` the first time returns ``(unsharded, to_free)``; the
-  unsharded parameter is its first ``outer_size`` elements. Later all-gathers call
-  ``post(outputs, metadata, param_dtype, out=unsharded_param)`` to rebuild in place, after giving
-  ``to_free`` its memory back; resharding frees it with the outputs.
-
-Uneven shards: every rank must send the same sizes, so on a rank whose shard is short (padding
-rows) each input's dim 0 must be the padded row count. PyTorch requires the extension to pad;
-here an input whose dim 0 is this rank's own row count is padded with zero rows for it.
+* ``pre(mesh)`` or ``pre(mesh, outer_size, outer_stride, module, mp_policy)`` returns ``(inputs,
+  metadata)``: tensors of any dtype to gather over the 1-D shard mesh. An input with this rank's own
+  row count is zero-padded to the padded count (PyTorch makes the extension pad).
+* Outputs live as long as the parameter; reshard resizes their storage to 0.
+* ``post(outputs, metadata, param_dtype)`` first returns ``(unsharded, to_free)``; later all-gathers
+  give ``to_free`` its memory back and call ``post(..., out=unsharded_param)`` to rebuild in place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass, field
@@ -49,16 +34,17 @@ class Hooks:
     pre: Callable[..., Any]
     post: Callable[..., Any]
     full_signature: bool  # pre takes (mesh, outer_size, outer_stride, module, mp_policy)
+    source: Any  # the codec, or the local tensor's class: what builds the unsharded parameter
 
 
 def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
-    """The extension of a parameter whose local shard is ``local``: its own methods, else the
-    codec's, else None (a plain all-gather)."""
+    """The hooks for local shard ``local``: its own methods, else the codec's, else None (plain)."""
     pre, post = getattr(local, _PRE, None), getattr(local, _POST, None)
     if pre is None and post is None:
         if codec is None:
             return None
-        return Hooks(_bind(codec.pre_all_gather, local), _bind(codec.post_all_gather, local), True)
+        pre_fn, post_fn = codec.pre_all_gather, codec.post_all_gather
+        return Hooks(functools.partial(pre_fn, local), functools.partial(post_fn, local), True, codec)
     if pre is None or post is None:
         raise TypeError(
             f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} "
@@ -68,38 +54,26 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
         )
     key = getattr(pre, "__func__", pre)
     try:
-        arity = _ARITY.get(key)
-    except TypeError:  # not weak-referenceable (a builtin): look it up each time
-        arity = None
-    if arity is None:
+        arity = _ARITY[key]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (a builtin)
         arity = len(inspect.signature(pre).parameters)
-        try:
+        with contextlib.suppress(TypeError):
             _ARITY[key] = arity
-        except TypeError:
-            pass
     if arity not in (1, 5):
         raise TypeError(
             f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
             f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, "
             "mp_policy). Fix: use one of these two signatures."
         )
-    return Hooks(pre, post, arity == 5)
-
-
-def _bind(fn: Callable[..., Any], local: torch.Tensor) -> Callable[..., Any]:
-    def bound(*args: Any, **kwargs: Any) -> Any:
-        return fn(local, *args, **kwargs)
-
-    return bound
+    return Hooks(pre, post, arity == 5, type(local))
 
 
 @dataclass(eq=False)
 class ExtensionState:
-    """What one parameter's extension keeps between the calls: the hooks of the all-gather in
-    progress, the sizes and dtypes its inputs had, the metadata, the outputs, what to free."""
+    """What one parameter's extension keeps from the pre hook to the frees."""
 
-    hooks: Optional[Hooks] = None
-    source: Any = None  # the codec, or the local tensor's class: what built the unsharded parameter
+    hooks: Optional[Hooks] = None  # those of the all-gather in progress
+    source: Any = None  # `Hooks.source` of the extension that built the unsharded parameter
     sizes: list[torch.Size] = field(default_factory=list)
     dtypes: list[torch.dtype] = field(default_factory=list)
     metadata: Any = None
@@ -108,27 +82,14 @@ class ExtensionState:
 
     def row_bytes(self) -> int:
         """Bytes this parameter puts in each rank's row (exact once it has been gathered)."""
-        return sum(_numel(s) * d.itemsize for s, d in zip(self.sizes, self.dtypes))
+        return sum(s.numel() * d.itemsize for s, d in zip(self.sizes, self.dtypes))
 
     def inputs(
-        self,
-        hooks: Hooks,
-        local: torch.Tensor,
-        *,
-        mesh: Any,
-        outer_size: torch.Size,
-        outer_stride: tuple[int, ...],
-        module: torch.nn.Module,
-        mp_policy: Any,
-        local_rows: int,
-        rows: int,
-        fqn: str,
+        self, hooks: Hooks, pre_args: tuple[Any, ...], local_rows: int, rows: int, fqn: str
     ) -> list[torch.Tensor]:
-        """Call the pre hook and check (pad, where allowed) what it returned."""
-        if hooks.full_signature:
-            returned = hooks.pre(mesh, outer_size, outer_stride, module, mp_policy)
-        else:
-            returned = hooks.pre(mesh)
+        """Call the pre hook with ``(mesh, outer_size, outer_stride, module, mp_policy)`` (or the mesh
+        alone) and check, padding where allowed, what it returned."""
+        returned = hooks.pre(*pre_args) if hooks.full_signature else hooks.pre(pre_args[0])
         inputs, self.metadata = _unpack(returned, fqn)
         out = [_pad_rows(t, local_rows, rows, fqn) for t in inputs]
         self.hooks = hooks
@@ -138,11 +99,11 @@ class ExtensionState:
 
     def alloc_outputs(self, world: int, device: torch.device) -> list[torch.Tensor]:
         """The outputs with their memory back, as ``(world, bytes per rank)`` views."""
-        numels = [world * _numel(s) for s in self.sizes]
+        numels = [world * s.numel() for s in self.sizes]
         same = len(self.outputs) == len(numels) and all(
             o.numel() == n and o.dtype == d for o, n, d in zip(self.outputs, numels, self.dtypes)
         )
-        if not same:  # first gather, or the extension changed what it sends: new outputs
+        if not same:  # first gather, or the extension changed what it sends
             self.outputs = [torch.empty(n, dtype=d, device=device) for n, d in zip(numels, self.dtypes)]
         for o in self.outputs:
             _alloc(o)
@@ -217,10 +178,3 @@ def _alloc(t: torch.Tensor) -> None:
     storage = t.untyped_storage()
     if storage.size() < nbytes:
         storage.resize_(nbytes)
-
-
-def _numel(shape: torch.Size) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

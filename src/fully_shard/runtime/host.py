@@ -1,7 +1,6 @@
-"""Where offloaded shards live (``CPUOffloadPolicy``): the CPU on a real run. In a meta-device
-simulation (``fully_shard.plan``) the host is the meta device too; the engine then marks what it
-allocates for the host (`allocating`) and copies shards to the device with a real op (`to_device`),
-so a memory counter can tell host bytes from device bytes and sees the host-to-device copies.
+"""Where offloaded shards live (``CPUOffloadPolicy``): the CPU, or the meta device in a simulation
+(``fully_shard.plan``). There `allocating` marks host tensors and `to_device` copies with a real op,
+so a memory counter tells host bytes from device bytes and sees the host-to-device copies.
 """
 
 from __future__ import annotations
@@ -36,9 +35,8 @@ def is_allocating() -> bool:
 
 
 def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
-    """A host shard's copy on ``device`` (asynchronous from pinned memory). On the simulated host
-    (meta on meta) a fresh tensor is made and filled, as the real copy would be; a CPU mesh
-    computes on its host, so there is nothing to copy."""
+    """A host shard's copy on ``device``: a fresh tensor on the simulated host (meta on meta), as the
+    real copy would be; ``t`` itself on a CPU mesh, which computes on its host."""
     if t.device != device:
         return t.to(device, non_blocking=non_blocking)
     if device.type == "meta" and type(t) is torch.Tensor:

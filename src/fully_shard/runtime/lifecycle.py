@@ -1,7 +1,5 @@
-"""The lifecycles: enums, the transition record `Step`, and the functions that move along them.
-
-The tables themselves live beside their owners (`state.MODULE`, `root.ITERATION`), because each
-entry holds a reference to the owner's method that runs: the table, not a string, decides.
+"""The lifecycles' enums, the transition record `Step`, and the lookups. The tables that name
+methods live beside their owners (`state.MODULE`, `state.ITERATION`).
 
 Imports: nothing of this package.
 """
@@ -10,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, Union
 
 
 class ShardedState(Enum):
     SHARDED = auto()
     UNSHARDED = auto()
-    # Groups only (reshard_after_forward=int): between forward and backward, sharded over a
-    # smaller group. Parameters themselves are SHARDED then (modules see the shards).
+    # Groups only (reshard_after_forward=int): between forward and backward, sharded over a smaller
+    # group; the parameters themselves show their SHARDED form.
     SHARDED_POST_FORWARD = auto()
 
 
@@ -32,7 +30,7 @@ class TrainingPhase(Enum):
     """Where one sharded module is in the iteration (`FSDPState.phase`)."""
 
     IDLE = auto()
-    FORWARD = auto()  # between its pre-forward and its post-forward
+    FORWARD = auto()
     PRE_BACKWARD = auto()  # its outputs got gradients; its parameters' gradients are being made
     POST_BACKWARD = auto()  # its gradients are being resharded and reduced
 
@@ -40,11 +38,11 @@ class TrainingPhase(Enum):
 class ModuleEvent(Enum):
     """What a sharded module's hooks report (`FSDPState.handle`)."""
 
-    FORWARD = auto()  # pre-forward, outside backward
-    FORWARD_DONE = auto()  # post-forward, outside backward (of one module of a list-form call)
-    RECOMPUTE = auto()  # pre-forward inside backward: activation checkpointing recomputes it
-    RECOMPUTE_DONE = auto()  # post-forward inside backward
-    PRE_BACKWARD = auto()  # its outputs got their gradients
+    FORWARD = auto()
+    FORWARD_DONE = auto()  # of one module of a list-form call
+    RECOMPUTE = auto()  # a forward inside backward (activation checkpointing)
+    RECOMPUTE_DONE = auto()
+    PRE_BACKWARD = auto()
     SIGNAL = auto()  # a post-backward signal fired: the gradients of one forward use exist
     BACKWARD_END = auto()  # the root's end of backward: reduce what no signal covered
     RESET = auto()
@@ -53,27 +51,27 @@ class ModuleEvent(Enum):
 class IterationPhase(Enum):
     """Where one root's training iteration is (`RootContext.phase`)."""
 
-    IDLE = auto()  # no forward since the last backward finished (or ever)
-    FORWARD = auto()  # a root forward started; no backward yet
-    BACKWARD = auto()  # a module's outputs got gradients; the end-of-backward callback is queued
+    IDLE = auto()  # no forward since the last backward finished
+    FORWARD = auto()
+    BACKWARD = auto()  # the end-of-backward callback is queued
     FINALIZING = auto()  # the end-of-backward callback is running
 
 
 class Event(Enum):
     """What the hooks report to the root (`RootContext.handle`)."""
 
-    ROOT_FORWARD = auto()  # the root's forward starts, outside any backward
-    RECOMPUTE = auto()  # a forward inside backward (activation checkpointing recomputes)
+    ROOT_FORWARD = auto()
+    RECOMPUTE = auto()  # a forward inside backward
     PRE_BACKWARD = auto()  # a sharded module's outputs got their gradients
     BACKWARD_END = auto()  # autograd ran the queued end-of-backward callback
-    RESET = auto()  # reset_iter_state(): forget the iteration in flight
+    RESET = auto()  # reset_iter_state()
 
 
 @dataclass(frozen=True)
 class Step:
-    """A transition: the phase to enter, the owner's method that runs in it (None: nothing), and
-    the phase to enter once it returns (None: stay). ``when``: a guard on the owner and the
-    event's payload; a table entry may list several steps, the first whose guard holds is taken."""
+    """Enter ``to``, run the owner's ``action`` (if any), then enter ``then`` (None: stay).
+    ``when``: a guard on the owner and the event's payload; of an entry's several steps, the first
+    whose guard holds is taken."""
 
     to: Enum
     action: Optional[Callable[..., Any]] = None
@@ -91,9 +89,8 @@ def step_for(
     name: Union[str, Callable[[], str]],
     *guard_args: Any,
 ) -> Step:
-    """The step ``table`` gives for ``event`` in ``phase`` (the first whose guard holds on
-    ``guard_args``); raise, naming ``name`` and both, if none. ``name`` may be a callable, called
-    only then (the hot path formats no name)."""
+    """The step ``table`` gives for ``event`` in ``phase``, guards called with ``guard_args``; raise,
+    naming ``name`` and both, if none. A callable ``name`` is called only to raise."""
     entry = table.get((phase, event))
     for step in (entry,) if isinstance(entry, Step) else entry or ():
         if step.when is None or step.when(*guard_args):
@@ -105,12 +102,10 @@ def step_for(
     )
 
 
-S = TypeVar("S", ShardedState, TrainingPhase)
-
-
-def advance(table: dict[S, set[S]], current: S, to: S, name: str) -> S:
-    """Return ``to`` if ``table`` allows ``current -> to`` (staying put always is); else raise,
-    naming ``name`` and both states."""
+def advance(
+    table: dict[ShardedState, set[ShardedState]], current: ShardedState, to: ShardedState, name: str
+) -> ShardedState:
+    """Return ``to`` if ``table`` allows ``current -> to`` (staying put always is); else raise."""
     if to is not current and to not in table[current]:
         raise RuntimeError(f"fully_shard {name}: illegal transition {current.name} -> {to.name}")
     return to

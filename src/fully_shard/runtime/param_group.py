@@ -1,25 +1,26 @@
 """`FSDPParamGroup`: the parameters of one ``fully_shard`` call, which communicate together.
 
-One all-gather per unshard (all shards copied into one flat buffer), one reduce-scatter per
-backward (all gradients copied into one flat buffer). Work in flight is a `Pending` value held
-by the group; clearing it means it is done.
+One all-gather per unshard and one reduce-scatter per backward, each through one flat buffer. Work
+in flight is a `Pending` value held by the group; clearing it means it is done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch.profiler import record_function
 
+from ..layouts.mesh import MeshInfo, PostForwardGroup
 from . import collectives
 from .collective import HOOK_DRIVEN, Collective, Op, Reason
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
-from ..layouts.mesh import MeshInfo, PostForwardGroup
 from .lifecycle import GROUP_STATES, ShardedState, advance
 from .param import FSDPParam
 from .settings import Settings
@@ -28,31 +29,30 @@ from .settings import Settings
 class SharedCollectives(Protocol):
     """A `Bucket` (bucket.py), as its member groups use it: collectives shared with other groups."""
 
-    def gather_with(self, requester: "FSDPParamGroup", reason: Reason) -> list["FSDPParamGroup"]: ...
+    def gather_with(self, requester: FSDPParamGroup, reason: Reason) -> list[FSDPParamGroup]: ...
 
     def waiting_grads(self) -> list[torch.Tensor]: ...
 
     def add_grads(
         self,
-        group: "FSDPParamGroup",
+        group: FSDPParamGroup,
         params: list[FSDPParam],
-        grads: list[Optional[torch.Tensor]],
+        grads: list[torch.Tensor | None],
         reason: Reason,
-    ) -> list["ReduceScatterResult"]: ...
+    ) -> list[ReduceScatterResult]: ...
 
 
-def label(groups: Sequence["FSDPParamGroup"]) -> str:
+def label(groups: Sequence[FSDPParamGroup]) -> str:
     """How traces name the groups that share one collective: their paths joined by ``+``."""
     return "+".join(g.fqn or "<root>" for g in groups)
 
 
 @dataclass(frozen=True)
 class _GatherPlan:
-    """One all-gather about to be issued: the groups that share it, their inputs (None: read on
-    the all-gather stream), the dtype moved, and the ranks it spans."""
+    """One all-gather about to be issued. ``inputs`` None: read on the all-gather stream."""
 
-    members: list["FSDPParamGroup"]
-    inputs: Optional[list[torch.Tensor]]
+    members: list[FSDPParamGroup]
+    inputs: list[torch.Tensor] | None
     dtype: torch.dtype
     world: int
     rank: int
@@ -61,18 +61,18 @@ class _GatherPlan:
 
 @dataclass(eq=False)
 class AllGather:
-    """One all-gather in flight, for one group or for several that share it (a bucket): each
-    rank's row holds the members' shards side by side, in member order."""
+    """One all-gather in flight, for one group or a bucket's: each rank's row holds the members'
+    shards side by side, in member order."""
 
     pending: Pending
     world: int
-    members: list["FSDPParamGroup"]
+    members: list[FSDPParamGroup]
     extended: bool = False  # some member's parameter all-gathers through an extension (extension.py)
     slots: int = 1  # > 1: gathering back reshard_after_forward=int shares from world / slots ranks
 
     def finish(self) -> None:
-        """Wait for it, then copy out into every member still waiting for it (one that resharded
-        meanwhile dropped out) and swap their unsharded parameters in; the output dies here."""
+        """Wait, copy out into every member still waiting for it (one that resharded meanwhile
+        dropped out) and swap their unsharded parameters in; the output dies here."""
         self.pending.wait()
         rows = self.pending.keep_alive[0].view(self.world, -1)
         self.pending.keep_alive = ()
@@ -80,9 +80,9 @@ class AllGather:
         for g in self.members:
             if g._all_gather is self:
                 waiting.append(g)
-        # Per member still waiting, per parameter: its (W, bytes) targets, or None (copy_out fills it).
+        # Per waiting member, per parameter: its (W, bytes) targets, or None (copy_out fills it).
         targets: dict[int, list[Any]] = {}
-        outs: Optional[list[torch.Tensor]] = (
+        outs: list[torch.Tensor] | None = (
             [] if self.slots == 1 and len(waiting) == len(self.members) else None
         )
         for g in waiting:
@@ -94,8 +94,8 @@ class AllGather:
                     outs = None
                 elif outs is not None:
                     outs.extend(target)
-        # Extension outputs may be the unsharded parameter's own data, which autograd saved:
-        # writing them must not bump the version it checks (as for the plain path's own storage).
+        # Extension outputs may be the unsharded parameter's own data, saved by autograd: writing
+        # them must not bump the version it checks.
         ext = self._extension_outputs(waiting) if self.extended else ()
         with torch.autograd._unsafe_preserve_version_counter(ext) if ext else contextlib.nullcontext():
             if outs is not None:  # every member waits, every target a (W, bytes) view: one copy
@@ -106,7 +106,7 @@ class AllGather:
             g._all_gather = None
             g._mark_unsharded()
 
-    def _extension_outputs(self, waiting: list["FSDPParamGroup"]) -> tuple[torch.Tensor, ...]:
+    def _extension_outputs(self, waiting: list[FSDPParamGroup]) -> tuple[torch.Tensor, ...]:
         return tuple(
             t
             for g in waiting
@@ -137,27 +137,8 @@ class ReduceScatterPart:
     reason: Reason = Reason.BACKWARD
     name: str = ""  # the group(s) it reduces, as traces name them
     # HSDP: the deferred partial sums of ``params``, taken when it was issued, added to its output.
-    partials: list[Optional[torch.Tensor]] = field(default_factory=list)
-    # Positions in ``params`` this rank had no gradient for (it sent zeros); after the reduction,
-    # ``used()`` says whether any rank had one.
-    missing: list[int] = field(default_factory=list)
-
-    def used(self) -> list[bool]:
-        """Per parameter: did any rank have a gradient for it? The reduction carries one count per
-        parameter after the gradients (`FSDPParamGroup._reduce_scatter_one`); read only when this
-        rank missed some (a host sync on accelerators, in that rare case only)."""
-        if not self.missing:
-            return [True] * len(self.params)
-        slot = sum(p.where.layout.shard_numel for p in self.params)
-        counts = self.output.narrow(0, slot, len(self.params)).tolist()
-        return [c != 0 for c in counts]
-
-    def slices(self) -> Iterator[tuple[FSDPParam, torch.Tensor]]:
-        """Each parameter with its slot of ``output`` (this rank's padded gradient shard)."""
-        offset = 0
-        for p in self.params:
-            yield p, self.output.narrow(0, offset, p.where.layout.shard_numel)
-            offset += p.where.layout.shard_numel
+    partials: list[torch.Tensor | None] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)  # positions in ``params`` this rank sent zeros for
 
 
 @dataclass
@@ -182,35 +163,29 @@ class FSDPParamGroup:
         self.info = info
         self.fqn = fqn
         self.refresh()
-        self.comm: Optional[CommContext] = None  # shared by every group under one root, set at lazy init
+        self.comm: CommContext | None = None  # shared by every group under one root, set at lazy init
         self.sharded_state = ShardedState.SHARDED
-        self._all_gather: Optional[AllGather] = None
+        self._all_gather: AllGather | None = None
         # The root's finite check (finite.py), when on: sees each gradient before it is reduced.
-        self.grad_observer: Optional[Callable[[FSDPParam, torch.Tensor], None]] = None
-        # Consecutive small groups under one root that communicate together (bucket.py); set at lazy init.
-        self.bucket: Optional[SharedCollectives] = None
-        # Shard versions the current unsharded parameters were gathered from (`notice_changes`).
-        self._gathered_versions: list[int] = []
-        # Something changed behind the group's back (a parameter assigned, converted, loaded, a
-        # codec set; `notice_changes`): the next unshard drops any copy and takes it over first
-        # (`sync_params`). True at first: the first unshard resolves extensions, refuses meta.
+        self.grad_observer: Callable[[FSDPParam, torch.Tensor], None] | None = None
+        self.bucket: SharedCollectives | None = None  # set at lazy init
+        self._gathered_versions: list[int] = []  # of the shards the unsharded copy came from
+        # Something changed behind the group's back (`notice_changes`): the next unshard drops any
+        # copy and takes it over first. True at first: that unshard resolves extensions, refuses meta.
         self.needs_sync = True
         self.extended = False  # some parameter all-gathers through an extension (extension.py)
-        # How reductions divide, per (reduce dtype, divide factor, force sum): planned once.
-        self._reductions: dict[tuple[torch.dtype, Optional[float], bool], collectives.Reduction] = {}
+        self._reductions: dict[tuple[torch.dtype, float | None, bool], collectives.Reduction] = {}
         # reshard_after_forward=int: the smaller group, and this rank's share while resharded to it.
-        self.post_forward: Optional[PostForwardGroup] = None
-        self._post_forward_shard: Optional[torch.Tensor] = None
-        # States between their pre-forward and post-forward that use these parameters: the owner,
-        # and modules tied to them (`FSDPState.borrowed`). The last one out reshards.
+        self.post_forward: PostForwardGroup | None = None
+        self._post_forward_shard: torch.Tensor | None = None
+        # States between their pre- and post-forward that use these parameters (the owner and
+        # modules tied to them): the last one out reshards.
         self.forward_users: set[int] = set()
-        # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the
-        # host; `wait_for_offloaded_grads` blocks the host on them at the end of backward.
+        # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the host.
         self.offload_events: list[torch.Event] = []
-        # What the user set on the call that owns this group (its state hands it over): frozen.
-        self.settings = Settings()
+        self.settings = Settings()  # the owning call's, frozen; its state hands it over
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPParamGroup":
+    def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParamGroup:
         if (
             self.sharded_state is not ShardedState.SHARDED
             or self._all_gather is not None
@@ -245,29 +220,26 @@ class FSDPParamGroup:
         self.all_gather_dtype = param_dtypes.pop() if len(param_dtypes) == 1 else torch.uint8
 
     def sync_params(self, adopt_device: bool = False) -> None:
-        """Take over parameters that were replaced or converted while sharded (see
-        `FSDPParam.sync_with_module`), resolve which all-gather through an extension, and refuse to
-        gather any still on the meta device."""
+        """Take over parameters replaced or converted while sharded, resolve which all-gather
+        through an extension, and refuse to gather any still on the meta device."""
         changed = False
         for p in self.params:
             changed |= p.sync_with_module(adopt_device)
-        self.extended = any([p.resolve_extension() for p in self.params])
+        # A list, not a generator: every parameter must resolve, not just those up to the first hit.
+        self.extended = any([p.resolve_extension() for p in self.params])  # noqa: C419
         if changed:
             self.refresh()
             self._refuse_meta(adopt_device)
         self.needs_sync = False
 
     def notice_changes(self) -> None:
-        """What no event reports, looked for once per iteration (the root's forward starts) and
-        before an explicit unshard: a shard's local tensor swapped under its DTensor (``.data =``,
-        ``.to()`` on a module ``fully_shard`` was not applied to), ``requires_grad`` flipped, a
-        shard written while an unsharded copy of it is held (an optimizer step after a forward
-        whose backward never ran), a parameter deleted or set to None (nn.Module's registration
-        hook fires for neither). Any of them: the next unshard takes it over (`sync_params`).
+        """Set ``needs_sync`` on what no event reports (checked once per iteration and before an
+        explicit unshard): a shard's local tensor swapped, ``requires_grad`` flipped, a shard written
+        while an unsharded copy is held, a parameter deleted or set to None.
 
-        DTensor runs in-place ops on its local tensor below autograd, so the local tensor's own
-        version counter misses optimizer steps and ``load_state_dict``; the outer DTensor's sees
-        those, the local tensor's sees direct writes through ``to_local()``: the sum sees both."""
+        DTensor writes its local tensor below autograd, so the local version counter misses
+        optimizer steps and ``load_state_dict`` while the DTensor's sees them, and the DTensor's
+        misses writes through ``to_local()``: the sum sees both."""
         holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
         versions = self._gathered_versions if holds_copy else None
         for i, p in enumerate(self.params):
@@ -318,14 +290,11 @@ class FSDPParamGroup:
 
     # -- all-gather ------------------------------------------------------------------------------
 
-    def unshard(self, reason: Reason = Reason.EXPLICIT, after: Optional[torch.Event] = None) -> None:
-        """Issue the all-gather (idempotent). `wait_for_unshard` makes the result usable.
+    def unshard(self, reason: Reason = Reason.EXPLICIT, after: torch.Event | None = None) -> None:
+        """Issue the all-gather (idempotent); `wait_for_unshard` makes the result usable.
 
-        ``reason`` says why (traces show it); ``after`` is a post-optimizer event the
-        all-gather stream waits for instead of the whole compute stream. A copy gathered before a
-        shard changed (an optimizer step after a forward whose backward never ran) is dropped and
-        gathered again: every caller gets current parameters. In a hook-driven phase, a group in a
-        `Bucket` gathers together with the bucket's members that run next (`Bucket.gather_with`).
+        ``after``: a post-optimizer event the all-gather stream waits for instead of the whole
+        compute stream. A copy gathered before a shard changed is dropped and gathered again.
         """
         if reason not in HOOK_DRIVEN:  # hook-driven ones: the root's forward start looked
             self.notice_changes()
@@ -337,7 +306,7 @@ class FSDPParamGroup:
             return
         self._issue_gather(self._plan_gather(reason), reason, after)
 
-    def _plan_gather(self, reason: Reason) -> "_GatherPlan":
+    def _plan_gather(self, reason: Reason) -> _GatherPlan:
         """Who gathers with this group, over which ranks, in which dtype."""
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             # Gather back from the smaller group's shares; they came from the last full gather,
@@ -358,17 +327,15 @@ class FSDPParamGroup:
                 sp = p.sharded_param
                 versions.append(sp._version + sp._local_tensor._version)
             extended = extended or g.extended
-        # Extensions choose their inputs' dtypes: one byte all-gather carries them all. The inputs
-        # are read on the all-gather stream: offloaded shards are copied to the device there.
+        # Extensions choose their inputs' dtypes: one byte all-gather carries them all.
         dtype = torch.uint8 if extended else self.all_gather_dtype
         return _GatherPlan(members, None, dtype, self.info.world_size, self.info.rank, self.info.group)
 
-    def _issue_gather(self, plan: "_GatherPlan", reason: Reason, after: Optional[torch.Event]) -> None:
+    def _issue_gather(self, plan: _GatherPlan, reason: Reason, after: torch.Event | None) -> None:
         comm, members, world = self._comm(), plan.members, plan.world
-        # not for reshard_after_forward=int regathers:
         custom = self.settings.custom_all_gather if world == self.info.world_size else None
         # inference_mode(False): a first forward under torch.inference_mode must not make the
-        # buffers (kept and reused for training) inference tensors.
+        # buffers (reused for training) inference tensors.
         with (
             record_function(f"FSDP::all_gather {self.fqn}"),
             torch.no_grad(),
@@ -376,7 +343,7 @@ class FSDPParamGroup:
             comm.on(comm.all_gather_stream, after),
         ):
             inputs = plan.inputs
-            if inputs is None:
+            if inputs is None:  # read on the all-gather stream: offloaded shards are copied there
                 inputs = []
                 for g in members:
                     g._all_gather_inputs(plan.dtype, inputs)
@@ -385,12 +352,13 @@ class FSDPParamGroup:
             )
             name = (self.fqn or "<root>") if len(members) == 1 else label(members)
             c = Collective(Op.ALL_GATHER, reason, name, plan.dtype, output.numel(), plan.group)
-            # One rank: the copy-in already wrote the whole output; there is nothing to gather.
+            # One rank: the copy-in already wrote the whole output.
             run = functools.partial(
                 collectives.all_gather, output, ag_input, plan.group, comm.async_op, custom
             )
             work = comm.issue(c, run) if world > 1 else None
-            event = comm.record(comm.all_gather_stream)
+            stream = comm.all_gather_stream
+            event = stream.record_event() if stream is not None else None
         extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
         pending = Pending(work=work, event=event, keep_alive=(output,), what=c)
         gather = AllGather(pending, world, members, extended, self.info.world_size // world)
@@ -398,8 +366,8 @@ class FSDPParamGroup:
             g._all_gather = gather
 
     def _all_gather_inputs(self, dtype: torch.dtype, inputs: list[torch.Tensor]) -> None:
-        """Append this group's all-gather inputs to ``inputs``: with one dtype each shard (copy-in
-        casts it in place); with several, or extensions, each parameter's inputs as bytes."""
+        """Append this group's inputs: with one dtype each shard (copy-in casts it); with several,
+        or extensions, each parameter's inputs as bytes."""
         for p in self.params:
             if dtype != torch.uint8:
                 inputs.append(p.all_gather_input())
@@ -417,8 +385,7 @@ class FSDPParamGroup:
         return self.info.world_size * self.row_bytes()
 
     def wait_for_unshard(self) -> None:
-        """Wait for the all-gather, copy out into the unsharded parameters and swap them in (for
-        every group that shares the all-gather and still waits for it)."""
+        """Wait for the all-gather and swap the unsharded parameters in (for every group sharing it)."""
         gather = self._all_gather
         if gather is None:
             return
@@ -429,10 +396,9 @@ class FSDPParamGroup:
         ):
             gather.finish()
 
-    def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[Optional[list[torch.Tensor]]]) -> None:
-        """Fill this group's unsharded parameters from its ``(W', slots * row_bytes)`` columns of
-        an all-gather output (``slots`` > 1 when gathering back reshard_after_forward=int shares
-        from ``W' = W / slots`` ranks)."""
+    def _copy_out(self, rows: torch.Tensor, slots: int, targets: list[list[torch.Tensor] | None]) -> None:
+        """Fill the unsharded parameters from this group's ``(W', slots * row_bytes)`` columns
+        (``slots`` > 1: reshard_after_forward=int shares from ``W' = W / slots`` ranks)."""
         world = rows.shape[0]
         offset = 0
         for p, target in zip(self.params, targets):
@@ -465,8 +431,7 @@ class FSDPParamGroup:
         self._set_sharded_state(ShardedState.UNSHARDED)
 
     def is_stale(self) -> bool:
-        """Whether this group holds an unsharded copy it must not use: a shard changed since it
-        was gathered, or a parameter was replaced (`notice_changes`, `needs_sync`)."""
+        """Whether this group holds an unsharded copy it must not use (`needs_sync`)."""
         self.notice_changes()
         holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
         return holds_copy and self.needs_sync
@@ -507,11 +472,9 @@ class FSDPParamGroup:
         reshard: bool = True,
         bucketed: bool = False,
     ) -> list[ReduceScatterResult]:
-        """Reshard (if ``reshard``), then issue one reduce-scatter of every unsharded gradient
-        backward made so far (if ``sync``; otherwise they stay on the unsharded parameters and
-        keep accumulating there until a backward that syncs). ``bucketed``: hand them to the
-        group's bucket instead, which reduces once its last member in backward has added its own.
-        Returns the reductions issued (none, one, or a bucket's)."""
+        """Reshard (if ``reshard``), then reduce every unsharded gradient made so far (if ``sync``;
+        else they keep accumulating on the unsharded parameters). ``bucketed``: hand them to the
+        bucket instead. Returns the reductions issued (none, one, or a bucket's)."""
         with record_function(f"FSDP::post_backward {self.fqn}"):
             params, grads, any_grad = [], [], False
             for p in self.trainable if sync else ():
@@ -524,8 +487,8 @@ class FSDPParamGroup:
                     if grad is not None:
                         p.accumulate_sharded_grad(grad.new_empty(0, dtype=p.dtypes.reduce))
                     continue
-                # Every trainable parameter takes part, with None where this rank has no gradient
-                # (zeros are sent): ranks that route differently (MoE) still agree on the layout.
+                # None where this rank has no gradient (it sends zeros): ranks that route
+                # differently (MoE) still agree on the layout.
                 if grad is not None or self.settings.reduce_unused:
                     params.append(p)
                     grads.append(grad)
@@ -540,10 +503,10 @@ class FSDPParamGroup:
                 results = [self.reduce_scatter(params, grads, reason, self.fqn)]
         return results
 
-    def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
+    def live_buffers(self) -> list[tuple[str, torch.Tensor | None]]:
         """The tensors this group holds, with their categories: its ``reshard_after_forward=int``
         share, gradients waiting in its bucket, an all-gather in flight, then each parameter's."""
-        out: list[tuple[str, Optional[torch.Tensor]]] = [("unsharded_params", self._post_forward_shard)]
+        out: list[tuple[str, torch.Tensor | None]] = [("unsharded_params", self._post_forward_shard)]
         if self.bucket is not None:
             out += [("gradients", t) for t in self.bucket.waiting_grads()]
         if self._all_gather is not None:
@@ -564,10 +527,10 @@ class FSDPParamGroup:
             p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
 
     def reduce_scatter(
-        self, params: list[FSDPParam], grads: list[Optional[torch.Tensor]], reason: Reason, name: str
+        self, params: list[FSDPParam], grads: list[torch.Tensor | None], reason: Reason, name: str
     ) -> ReduceScatterResult:
-        """Reduce ``grads`` (of ``params``: this group's, or a bucket's with this group's reduction
-        key) with one reduce-scatter per reduce dtype; ``name`` labels it in traces."""
+        """Reduce ``grads`` (this group's, or a bucket's with this group's reduction key) with one
+        reduce-scatter per reduce dtype; ``name`` labels it in traces."""
         by_dtype: dict[torch.dtype, tuple[list[FSDPParam], list[torch.Tensor]]] = {}
         for p, g in zip(params, grads):
             bucket = by_dtype.setdefault(p.dtypes.reduce, ([], []))
@@ -582,15 +545,14 @@ class FSDPParamGroup:
     def _reduce_scatter_one(
         self,
         params: list[FSDPParam],
-        grads: list[Optional[torch.Tensor]],
+        grads: list[torch.Tensor | None],
         dtype: torch.dtype,
         reason: Reason,
         name: str,
     ) -> ReduceScatterPart:
-        """One reduce-scatter of ``grads`` (None: this rank has none; zeros are sent) followed by one
-        count per parameter of the ranks that had a gradient (each rank puts its 0/1 in every row,
-        so every rank receives the totals): a parameter no rank had a gradient for keeps its
-        ``.grad`` as it was, as in single-process training."""
+        """One reduce-scatter of ``grads`` (None: zeros are sent), then, with ``reduce_unused``, one
+        count per parameter of the ranks that had a gradient: a parameter no rank had one for keeps
+        its ``.grad`` as it was, as in single-process training."""
         comm, info, custom = self._comm(), self.info, self.settings.custom_reduce_scatter
         key = (dtype, self.settings.gradient_divide_factor, self.settings.force_sum_reduction)
         plan = self._reductions.get(key) or self._reduction(key)
@@ -611,17 +573,16 @@ class FSDPParamGroup:
         return part
 
     def _settle(self, part: ReduceScatterPart, comm: CommContext) -> None:
-        """A reduce-scatter was just issued: the HSDP all-reduce and the accumulation run once it
-        lands (stream-ordered on accelerators, no host wait; in `ReduceScatterResult.finish` on CPU)."""
+        """Run the HSDP all-reduce and the accumulation once the reduce-scatter lands (stream-ordered
+        on accelerators, no host wait; in `ReduceScatterResult.finish` on CPU)."""
         if self.info.is_hsdp and self.settings.requires_all_reduce:
             part.partials = [p.take_partial_reduce() for p in part.params]
         comm.settle(part.pending, functools.partial(self._after_reduce_scatter, part))
         if part.pending.event is not None and any(p.where.offload for p in part.params):
             self.offload_events.append(part.pending.event)  # the host waits before the optimizer
 
-    def _reduction(self, key: tuple[torch.dtype, Optional[float], bool]) -> collectives.Reduction:
-        """How this group's reduction in a dtype divides (before, the ops, after), for ``key``
-        (the dtype and the settings it depends on); planned once per key."""
+    def _reduction(self, key: tuple[torch.dtype, float | None, bool]) -> collectives.Reduction:
+        """Plan (once per key: dtype, divide factor, force sum) how a reduction divides."""
         dtype, factor, force_sum = key
         info = self.info
         plan = self._reductions[key] = collectives.plan_reduction(
@@ -637,13 +598,13 @@ class FSDPParamGroup:
     def _reduce_scatter_input(
         self,
         params: list[FSDPParam],
-        grads: list[Optional[torch.Tensor]],
+        grads: list[torch.Tensor | None],
         dtype: torch.dtype,
         before: float,
     ) -> tuple[torch.Tensor, int, list[int]]:
-        """The flat reduce-scatter input (zeros for missing gradients, then the used-counts), each
-        rank's slot size, and where this rank had no gradient. Copied (and cast) on the compute
-        stream, where the gradients were made: freed right after, with no cross-stream hazard."""
+        """The flat input (zeros for missing gradients, then the used-counts), each rank's slot
+        size, and where this rank had no gradient. Made on the compute stream, where the gradients
+        were: they are freed right after, with no cross-stream hazard."""
         device = self.info.device
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
         gdtype = dtype
@@ -658,8 +619,7 @@ class FSDPParamGroup:
                 missing.append(i)
                 g = torch.zeros(p.where.layout.moved_shape, dtype=gdtype, device=device)
             inputs.append(g)
-        counted = self.settings.reduce_unused
-        if counted:
+        if self.settings.reduce_unused:  # each rank puts its 0/1 in every row: all receive the totals
             had = torch.ones(len(params), dtype=gdtype, device=device)  # made on the device: no host copy
             for i in missing:
                 had[i] = 0
@@ -676,25 +636,42 @@ class FSDPParamGroup:
         return rs_input, slot, missing
 
     def _after_reduce_scatter(self, part: ReduceScatterPart) -> None:
-        """HSDP: add the replicas' sums (all-reduce over the replicate group), or keep this
-        backward's partial sum for later when the all-reduce is deferred. Then accumulate."""
-        if self.info.is_hsdp and self.info.replicate_size > 1:
-            assert self.info.replicate_group is not None
-            if not self.settings.requires_all_reduce:
-                for (p, reduced), used in zip(part.slices(), part.used()):
-                    if used:
-                        p.add_partial_reduce(reduced)
-                return
-            for (p, reduced), partial in zip(part.slices(), part.partials):
-                if partial is not None:
-                    reduced.add_(partial)
-            nbytes = part.output.numel() * part.output.element_size()
-            group = self.info.replicate_group
-            c = Collective(Op.ALL_REDUCE, part.reason, part.name, part.output.dtype, nbytes, group, part.plan)
-            self._comm().issue(c, lambda: collectives.all_reduce(part.output, group, part.plan.all_reduce_op))
-        if self.settings.all_reduce_hook is not None:
-            self._run_all_reduce_hook(part.output)
-        self._accumulate(part)
+        """HSDP: all-reduce over the replicas, or keep this backward's sums as partials when that
+        is deferred. Then the all-reduce hook, the division left, and add to the sharded gradients."""
+        output, info = part.output, self.info
+        shards, offset = [], 0  # each parameter's slot of ``output``: this rank's padded shard
+        for p in part.params:
+            shards.append(output.narrow(0, offset, p.where.layout.shard_numel))
+            offset += p.where.layout.shard_numel
+        deferred = info.is_hsdp and info.replicate_size > 1 and not self.settings.requires_all_reduce
+        if info.is_hsdp and info.replicate_size > 1 and not deferred:
+            self._all_reduce(part, shards)
+        if self.settings.all_reduce_hook is not None and not deferred:
+            self._run_all_reduce_hook(output)
+        if part.plan.after != 1 and not deferred:
+            output.div_(part.plan.after)
+        # The used-counts follow the shards; read only when this rank missed some (a host sync on
+        # accelerators, in that rare case only).
+        used = output.narrow(0, offset, len(shards)).tolist() if part.missing else None
+        for i, p in enumerate(part.params):
+            if used is not None and used[i] == 0:  # no rank had a gradient: .grad stays as it was
+                continue
+            if deferred:
+                p.add_partial_reduce(shards[i])
+            else:
+                p.accumulate_sharded_grad(shards[i])
+
+    def _all_reduce(self, part: ReduceScatterPart, shards: list[torch.Tensor]) -> None:
+        """HSDP: add the sums deferred by earlier backwards, then sum over the replicas."""
+        for shard, partial in zip(shards, part.partials):
+            if partial is not None:
+                shard.add_(partial)
+        group, output = self.info.replicate_group, part.output
+        assert group is not None
+        nbytes = output.numel() * output.element_size()
+        c = Collective(Op.ALL_REDUCE, part.reason, part.name, output.dtype, nbytes, group, part.plan)
+        run = functools.partial(dist.all_reduce, output, op=part.plan.all_reduce_op, group=group)
+        self._comm().issue(c, run)
 
     def _run_all_reduce_hook(self, output: torch.Tensor) -> None:
         stream = self.settings.all_reduce_hook_stream
@@ -707,14 +684,3 @@ class FSDPParamGroup:
         with stream:
             self.settings.all_reduce_hook(output)  # type: ignore[misc]
         current.wait_stream(stream)
-
-    def _accumulate(self, part: ReduceScatterPart) -> None:
-        if part.plan.after != 1:
-            part.output.div_(part.plan.after)
-        used = part.used() if part.missing else None
-        offset = 0
-        for i, p in enumerate(part.params):
-            numel = p.where.layout.shard_numel
-            if used is None or used[i]:  # no rank had a gradient: .grad stays as it was
-                p.accumulate_sharded_grad(part.output.narrow(0, offset, numel))
-            offset += numel

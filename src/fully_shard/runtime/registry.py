@@ -1,19 +1,10 @@
-"""Which `FSDPParam` manages a tensor.
+"""Which `FSDPParam` manages a tensor, and at which places (``module.<name>``) it is registered.
 
-Every original parameter a ``fully_shard`` call replaced (keyed weakly by identity) and every
-sharded DTensor parameter (keyed by id, the FSDPParam held weakly: a weak reference on the
-parameter itself would stop ``to_empty`` from swapping it). Why a registry: after
-``fully_shard(embed)``, a module tied to ``embed.weight`` (``lm_head``) still holds the original
-tensor, and nothing reachable from ``lm_head`` says it was sharded; sharding it again would
-silently untie the weights. A later call that meets such a tensor borrows the owner's parameter
-instead. Everything is weak, so this holds no per-rank state (ranks running as threads never share
-a tensor) and forgets a parameter when it dies.
-
-It also knows every place (``module.<name>``) a managed parameter is registered at, so assigning a
-new parameter there (attribute assignment, ``load_state_dict(..., assign=True)``, DCP's
-``set_model_state_dict``) is noticed where it happens: one global parameter-registration hook of
-``nn.Module`` tells the owner (`Managed.note_assigned`), which takes the new one over at its next
-unshard. Nothing asks every parameter at every unshard.
+After ``fully_shard(embed)`` a tied ``lm_head`` still holds the original tensor; a later call that
+meets it borrows the owner's parameter instead of sharding it again (which would untie them). A
+global parameter-registration hook tells the owner (`Managed.note_assigned`) when something else
+is assigned at one of its places. Everything is weak: no per-rank state, nothing kept alive (a weak
+reference on the sharded parameter itself would stop ``to_empty`` from swapping it).
 """
 
 from __future__ import annotations
@@ -27,8 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Managed(Protocol):
-    """What the registry holds (an `FSDPParam`; named by what its users read, so this module
-    needs no import of it)."""
+    """What the registry holds: an `FSDPParam`, by what its users read (so no import of it)."""
 
     sharded_param: nn.Parameter
     places: list[Any]
@@ -50,8 +40,7 @@ _hook: list[Any] = []  # the registration hook's handle, once installed
 
 
 def register_places(managed: Managed, places: list[Any]) -> None:
-    """``managed`` is registered at ``places`` (each with ``module`` and ``name``): tell it when
-    something else is registered there."""
+    """Tell ``managed`` when something else is registered at one of ``places`` (module, name)."""
     if not _hook:
         _hook.append(register_module_parameter_registration_hook(_on_register))
     for place in places:
@@ -59,8 +48,7 @@ def register_places(managed: Managed, places: list[Any]) -> None:
 
 
 def _on_register(module: nn.Module, name: str, param: Any) -> None:
-    owners = _PLACES.get(module)
-    ref = owners.get(name) if owners is not None else None
+    ref = _PLACES.get(module, {}).get(name)
     managed = ref() if ref is not None else None
     if managed is not None:
         managed.note_assigned()
@@ -84,7 +72,6 @@ def manager_of(param: nn.Parameter) -> Optional[Managed]:
 
 
 def class_name(module: object) -> str:
-    """The class name the user wrote for ``module`` (not the ``FSDP``-prefixed class ``fully_shard``
-    made for it), for error messages."""
+    """The user's class name for ``module`` (not the ``FSDP``-prefixed one), for error messages."""
     cls = type(module)
     return getattr(cls, "_fsdp_original_class", cls).__name__

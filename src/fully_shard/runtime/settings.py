@@ -1,10 +1,5 @@
-"""`Settings`: everything the user set on one ``fully_shard`` call, in one frozen value.
-
-One home for the knobs: the call's `FSDPState` holds it and hands the same object to its own
-groups (`FSDPState.update_settings`); every ``FSDPModule.set_*`` method replaces it with
-``dataclasses.replace``, so a setting can never be half-applied, and no parameter carries
-settings of its own. Root-only settings (``is_last_backward``, ``bucket_bytes``,
-``grad_finite_check``) are read from the root's.
+"""`Settings`: what the user set on one ``fully_shard`` call, one frozen value shared by the call's
+`FSDPState` and its groups; ``FSDPModule.set_*`` replaces it whole (`FSDPState.update_settings`).
 """
 
 from __future__ import annotations
@@ -14,45 +9,45 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB (bucket.py)
+DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
 
 
 @dataclass(frozen=True)
 class Settings:
-    # -- the module's schedule (read by its state) --
+    # -- the module's schedule --
     reshard_after_forward: Union[bool, int, None] = None  # None: True, except for the root
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     unshard_in_backward: bool = True
-    forward_prefetch: Optional[tuple[Any, ...]] = None  # FSDPStates; None: no forward prefetch
+    forward_prefetch: Optional[tuple[Any, ...]] = None  # FSDPStates
     backward_prefetch: Optional[tuple[Any, ...]] = None  # None: implicit (reverse forward order)
-    # -- the root's (read from the root's settings) --
+    # -- read from the root's settings --
     is_last_backward: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     grad_finite_check: str = "env"  # "env" (FULLY_SHARD_CHECK_FINITE), "off", "raise" or "report"
-    # -- the reduction (read by the groups) --
+    # -- the reduction --
     gradient_divide_factor: Optional[float] = None  # None: the data-parallel size (an average)
     requires_all_reduce: bool = True  # HSDP: False defers the all-reduce across replicas
-    force_sum_reduction: bool = False  # SUM collectives only, dividing ourselves (plan_reduction)
+    force_sum_reduction: bool = False  # SUM collectives only, dividing ourselves
     # True: every trainable parameter takes part in each reduction (zeros where this rank has no
-    # gradient) with used-counts; False: only this rank's gradients (PyTorch's layout).
+    # gradient), with used-counts; False: only this rank's gradients (PyTorch's layout).
     reduce_unused: bool = True
     reduce_dtype: Optional[torch.dtype] = None  # overrides the policy's (FSDP1's compress hooks)
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
     all_reduce_hook_stream: Optional[torch.Stream] = None
-    # -- communication (read by the groups) --
+    # -- communication --
     custom_all_gather: Any = None  # PyTorch's AllGather interface
     custom_reduce_scatter: Any = None  # PyTorch's ReduceScatter interface
     codecs: tuple[tuple[str, Any], ...] = ()  # (parameter fqn in the call, all-gather codec)
 
     def codec_for(self, fqn: str) -> Any:
-        """The all-gather codec chosen for the parameter ``fqn`` (None: the plain all-gather)."""
-        if not self.codecs:  # every all-gather asks, per parameter: the common case costs nothing
+        """The all-gather codec for the parameter ``fqn`` (None: the plain all-gather)."""
+        if not self.codecs:  # asked per parameter per all-gather
             return None
         return next((codec for name, codec in self.codecs if name == fqn), None)
 
     def reduction_key(self) -> tuple[object, ...]:
-        """Groups of one mesh with equal keys may share a reduce-scatter (same division, same ops)."""
+        """Groups of one mesh with equal keys may share a reduce-scatter."""
         return (
             self.gradient_divide_factor,
             self.force_sum_reduction,
@@ -61,7 +56,7 @@ class Settings:
         )
 
     def communicates_plainly(self) -> bool:
-        """No custom comm and no all-reduce hook: a group may share collectives (bucket.py)."""
+        """No custom collective and no all-reduce hook: a group may share collectives (bucket.py)."""
         return (
             self.all_reduce_hook is None
             and self.custom_all_gather is None

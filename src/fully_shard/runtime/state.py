@@ -1,20 +1,14 @@
-"""`FSDPState`: the module hooks that drive a group through forward and backward.
+"""`FSDPState` (one per ``fully_shard`` call) and `RootContext` (one per root, made at its first
+forward): the hooks that drive groups through forward and backward.
 
-One `FSDPState` per ``fully_shard`` call. The root's first forward creates a `RootContext` that
-every state under it shares: the streams, the post-forward order (for backward prefetch), the
-reduce-scatter in flight and the end-of-backward callback.
-
-Hook map (each hook reports one event and nothing else; the two module hooks are installed
-through `api.sharding._OutsideCompile`, so they run eagerly outside ``torch.compile``'s graphs):
+Each hook reports one event; the tables at the bottom decide what runs (`MODULE` for a module,
+`ITERATION` for a root's iteration). Module hooks run eagerly outside ``torch.compile``:
 
 * forward pre-hook  -> `FSDPState.pre_forward`: FORWARD (or RECOMPUTE inside backward)
 * forward hook      -> `FSDPState.post_forward`: FORWARD_DONE (or RECOMPUTE_DONE)
 * output grad hook  -> `FSDPState.pre_backward`: PRE_BACKWARD
 * input grad signal -> `FSDPState.post_backward_signal`: SIGNAL
 * engine callback   -> `RootContext.handle(BACKWARD_END)`: every module's BACKWARD_END
-
-What each event does is decided by the tables at the bottom of this file: `MODULE` for a module
-(`FSDPState.handle`), `ITERATION` for a root's iteration (`RootContext.handle`).
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
-
 
 from . import watchdog
 from .bucket import Bucket, plan_buckets
@@ -48,8 +41,8 @@ class StepVerdict(RuntimeError):
 
 
 class GradientCheck(Protocol):
-    """Sees each gradient before its reduction; concludes at the end of the last backward before the
-    optimizer step (where it may raise a `StepVerdict`)."""
+    """Sees each gradient before its reduction; concludes (and may raise a `StepVerdict`) at the end
+    of the last backward before the optimizer step."""
 
     def observe(self, p: Any, grad: torch.Tensor) -> None: ...
 
@@ -68,16 +61,13 @@ class RootContext:
         self.pending_reduce: Optional[ReduceScatterResult] = None
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
-        # A check of the gradients (the finite check, finite.py) that concludes at the end of the
-        # last backward before the step; set by the check itself.
-        self.gradient_check: Optional[GradientCheck] = None
+        self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
 
     def name(self) -> str:
-        """How errors name this root."""
         return f"root {class_name(self.root.modules[0])}"
 
     def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
-        """The reduction in flight's input and output ("communication")."""
+        """The input and output of the reduction in flight ("communication")."""
         if self.pending_reduce is None:
             return []
         return [
@@ -87,11 +77,11 @@ class RootContext:
         ]
 
     def describe(self) -> list[str]:
-        """What this root is doing, for the watchdog (watchdog.py)."""
-        lines = [
-            f"{self.name()}: iteration {self.phase.name}"
-            + (f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else "")
-        ]
+        """What this root is doing, for the watchdog."""
+        reducing = (
+            f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else ""
+        )
+        lines = [f"{self.name()}: iteration {self.phase.name}{reducing}"]
         for s in self.states:
             groups = "".join(
                 f", group {g.sharded_state.name}"
@@ -105,7 +95,7 @@ class RootContext:
         return lines
 
     def plan_buckets(self) -> None:
-        """Cut the groups under this root into buckets (bucket.py) by the root's byte budget."""
+        """Cut the groups under this root into buckets by the root's byte budget (bucket.py)."""
         if self.pending_reduce is not None or any(b.holds_grads for b in self.buckets):
             raise RuntimeError(
                 f"fully_shard: set_bucket_bytes on {class_name(self.root.modules[0])} while gradients are "
@@ -114,8 +104,7 @@ class RootContext:
         owner = {id(s.group): s for s in self.states if s.group is not None}
         lent = {id(g) for s in self.states for g in s.borrowed}
         candidates = [
-            s.group if s.group is not None and s.may_share_collectives() and id(s.group) not in lent else None
-            for s in self.states
+            s.group if s.may_share_collectives() and id(s.group) not in lent else None for s in self.states
         ]
         self.buckets = plan_buckets(
             candidates, self.root.settings.bucket_bytes, lambda g: owner[id(g)].default_schedule
@@ -127,8 +116,6 @@ class RootContext:
         if key not in self._post_forward_groups:
             self._post_forward_groups[key] = post_forward_groups(info, size)
         return self._post_forward_groups[key]
-
-    # -- the iteration's lifecycle: hooks report events, the table (ITERATION, below) decides ----
 
     def handle(self, event: Event) -> None:
         step = ITERATION.get((self.phase, event))
@@ -147,8 +134,8 @@ class RootContext:
             self.phase = step.then
 
     def start_iteration(self) -> None:
-        """A root forward starts: look for what changed between steps with no event to say so
-        (`FSDPParamGroup.notice_changes`); hook up the traces opened around it."""
+        """A root forward starts: notice changes made between steps (`notice_changes`); hook up
+        the traces opened around it."""
         for state in self.states:
             for g in state.own:
                 g.notice_changes()
@@ -158,16 +145,15 @@ class RootContext:
             o.begin_step()
 
     def attach_active_observers(self) -> None:
-        """Called in the user's thread when this root starts work: the observers opened there
-        (``fully_shard.debug.trace()``) watch its collectives from now on, including those issued
-        from autograd's threads."""
+        """In the user's thread: its open traces (``fully_shard.debug.trace()``) watch this root's
+        collectives from now on, on every thread."""
         for o in ACTIVE_OBSERVERS.get():
             if o not in self.comm.observers:
                 self.comm.observers.append(o)
             o.attach(self)
 
     def detach(self, observer: CollectiveObserver) -> None:
-        """``observer`` stops watching this root (a trace's ``with`` block ended)."""
+        """``observer`` (a trace that ended) stops watching this root."""
         if observer in self.comm.observers:
             self.comm.observers.remove(observer)
 
@@ -183,12 +169,12 @@ class RootContext:
         self.start_iteration()
 
     def begin_backward(self) -> None:
-        """The first gradients reached a sharded module: have autograd call us when backward ends."""
+        """Have autograd call us when this backward ends."""
         Variable._execution_engine.queue_callback(lambda: self.handle(Event.BACKWARD_END))
 
     def start_reduce(self, results: list[ReduceScatterResult]) -> None:
-        # One reduce-scatter in flight at a time: it overlaps the next group's backward, and the
-        # memory of at most one gradient buffer is held for it.
+        # One reduce-scatter in flight at a time: it overlaps the next group's backward and holds
+        # at most one gradient buffer.
         for result in results:
             self.finish_pending_reduce()
             self.pending_reduce = result
@@ -200,11 +186,8 @@ class RootContext:
         result.finish()
 
     def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
-        """The state whose forward ran just before ``state``'s: it runs next in backward.
-
-        Consumes ``state``'s latest entry in the post-forward order, so a module that ran forward
-        twice prefetches correctly for each of its backward passes.
-        """
+        """The state whose forward ran just before ``state``'s (next in backward). Consumes ``state``'s
+        latest entry, so a module run twice in forward prefetches right for each backward."""
         order = self.post_forward_order
         for i in range(len(order) - 1, -1, -1):
             if order[i] is state:
@@ -213,15 +196,14 @@ class RootContext:
         return None
 
     def finish_backward(self) -> None:
-        """End of backward: reduce what the post-backward signals missed, and, after the last
-        backward before the optimizer step, wait for every reduction."""
+        """Reduce what the post-backward signals missed; after the last backward before the
+        optimizer step, wait for every reduction."""
         with record_function("FSDP::backward_end"):
             for state in self.states:
                 state.finish_backward()
             for bucket in self.buckets:  # gradients of members whose bucket-mates did not run
                 self.start_reduce(bucket.flush(Reason.END_OF_BACKWARD))
-            # Not the last backward before the step (micro-batching): leave the last
-            # reduce-scatter in flight and keep the prefetch order for the backwards to come.
+            # Micro-batching: not the last backward, so leave the last reduce-scatter in flight.
             if self.root.settings.is_last_backward:
                 self.finish_pending_reduce()
                 self.post_forward_order.clear()
@@ -254,17 +236,10 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, cast, tree)
 
 
-def _is_int_setting(value: object) -> bool:
-    return type(value) is int  # not a bool
-
-
 class _PostBackwardSignal(torch.autograd.Function):
-    """Forward: passes the module's tensor inputs through unchanged.
-
-    Backward: runs once the gradients of those inputs exist, which is after autograd has produced
-    every gradient of the module's parameters for this forward; then calls
-    ``state.post_backward_signal()``. The gradients pass through untouched.
-    """
+    """Forward: passes the module's tensor inputs through. Backward: runs once their gradients exist,
+    i.e. after all of the module's parameter gradients for this forward; calls
+    ``state.post_backward_signal()``."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -282,8 +257,7 @@ class _PostBackwardSignal(torch.autograd.Function):
 
 
 class SharedComm:
-    """`share_comm_ctx`: one `CommContext` (streams, release worker, traces) for several roots,
-    e.g. the pipeline stages one rank runs; made by the first root that starts."""
+    """`share_comm_ctx`: one `CommContext` for several roots (e.g. one rank's pipeline stages)."""
 
     def __init__(self) -> None:
         self.comm: Optional[CommContext] = None
@@ -303,8 +277,8 @@ class SharedComm:
 
 
 def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
-    """Every `FSDPState` in the subtrees of ``tops``, each once, in pre-order, with the module path
-    (from the first of ``tops``) of the module it was applied to. The one walk that finds them."""
+    """Every `FSDPState` under ``tops``, once each, in pre-order, with the path (from the first of
+    ``tops``) of the module it was applied to."""
     paths: dict[nn.Module, str] = {}
     for top in tops:
         for name, module in top.named_modules():
@@ -329,11 +303,11 @@ class FSDPState:
         extra: Sequence[FSDPParamGroup] = (),
     ) -> None:
         self.modules = modules
-        # The group on the call's mesh (None if no parameter stayed on it), and every group this
-        # call owns: that one and one per other mesh shard_placement_fn chose (MoE experts).
+        # `group`: on the call's mesh (None if no parameter stayed there); `own` adds one per other
+        # mesh shard_placement_fn chose (MoE experts).
         self.group = group
         self.own = ([group] if group is not None else []) + list(extra)
-        # Groups of earlier calls whose parameters these modules use too (tied weights): unsharded
+        # Earlier calls' groups whose parameters these modules use too (tied weights): unsharded
         # around this module's forward and backward; their owner reduces and reshards them.
         self.borrowed = list(borrowed)
         self.groups = self.own + self.borrowed
@@ -342,32 +316,26 @@ class FSDPState:
         self.settings = Settings(reshard_after_forward=reshard_after_forward)
         for g in self.own:
             g.settings = self.settings
-        # set_post_optim_event: the root's first all-gather of the next forward waits for it (once).
-        self.post_optim_event: Optional[torch.Event] = None
-        # share_comm_ctx: roots that share one CommContext (streams, release worker, traces).
+        self.post_optim_event: Optional[torch.Event] = None  # the root's next all-gather waits for it
         self.shared_comm: Optional[SharedComm] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         self.fqn = ""
-        self.resolve_reshard_after_forward()  # reshard_after_forward and default_schedule
-        self.phase = TrainingPhase.IDLE  # this module's lifecycle (the table MODULE)
-        # Post-backward signals attached in forward that have not fired yet: the group reduces
-        # at the last one, i.e. after the backward of its *first* forward use.
-        self._signals_pending = 0
-        # List form: members that finished forward since the group last unsharded.
-        self._members_done: set[int] = set()
-        # What the layers above the runtime attach to a root at lazy init (api.py: the checks).
-        self.setup_root: Optional[Callable[[RootContext], None]] = None
+        self.resolve_reshard_after_forward()
+        self.phase = TrainingPhase.IDLE
+        self._signals_pending = 0  # post-backward signals attached in forward, not fired yet
+        self._members_done: set[int] = set()  # list form: members done since the last unshard
+        self.setup_root: Optional[Callable[[RootContext], None]] = None  # api.py: the checks
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
         if self.ctx is not None and (
             self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD
         ):
             refuse_busy(f"module {self.fqn or '<root>'}", "is between forward and the end of its backward")
-        for group in self.groups:  # before `modules` leads deepcopy to the parameters (FSDPParam.precopy)
+        for group in self.groups:  # before `modules` leads deepcopy to the parameters
             for p in group.params:
                 p.precopy(memo)
-        # The copy finds its own root at its first forward; an event belongs to the original's stream.
+        # The copy finds its own root at its first forward; the event is on the original's stream.
         return copy_fields(
             self,
             memo,
@@ -379,12 +347,10 @@ class FSDPState:
             phase=TrainingPhase.IDLE,
         )
 
-    # -- state dicts ------------------------------------------------------------------------------
+    # -- state dicts
 
     def show_sharded(self, module: nn.Module, *unused: Any) -> None:
-        """Before (load_)state_dict: a module whose parameters are unsharded (after ``unshard()``,
-        inside forward) shows its sharded DTensors, the one form a state dict holds and loads into;
-        a load then moves the shards' versions, so the unsharded copy is gathered again before use."""
+        """Before (load_)state_dict: show the sharded DTensors, the one form a state dict holds."""
         for g in self.groups:
             g.show_form(unsharded=False)
 
@@ -394,16 +360,16 @@ class FSDPState:
             g.show_form(unsharded=True)
 
     def after_load(self, module: nn.Module, *unused: Any) -> None:
-        """After load_state_dict: back to the form the group is in; the loaded shards (assigned or
-        copied into) are taken over, and any unsharded copy gathered again, before the next use."""
+        """After load_state_dict: back to the group's form; the loaded shards are taken over (and
+        gathered again) before the next use."""
         self.show_unsharded(module)
         for g in self.groups:
             g.needs_sync = True
 
-    # -- lazy init -------------------------------------------------------------------------------
+    # -- lazy init
 
     def lazy_init(self) -> None:
-        """Make this state the root of every state in its modules' subtrees (first forward)."""
+        """Make this state the root of every state under its modules."""
         if self.ctx is not None and self.is_root:
             return
         paths = fsdp_states(self.modules)
@@ -431,18 +397,15 @@ class FSDPState:
         self.resolve_reshard_after_forward()
         for g in self.own:
             g.comm = ctx.comm
-            if _is_int_setting(self.reshard_after_forward):
-                g.post_forward = ctx.post_forward_group(g.info, int(self.reshard_after_forward))
+            if type(self.reshard_after_forward) is int:  # not a bool
+                g.post_forward = ctx.post_forward_group(g.info, self.reshard_after_forward)
             g.fqn = fqn
 
     def name(self) -> str:
-        """How errors name this module."""
         return f"module {self.fqn or '<root>'}"
 
     def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
-        """What the engine holds for this call, with categories (`fully_shard.plan.CATEGORIES`):
-        its modules' buffers, its own groups' tensors, and its root's reduction in flight. The one
-        way tools (tools/memory.py) see the engine's memory."""
+        """What the engine holds for this call, by category (`fully_shard.plan.CATEGORIES`)."""
         out: list[tuple[str, Optional[torch.Tensor]]] = [
             ("buffers", b) for m in self.modules for b in m.buffers()
         ]
@@ -453,8 +416,7 @@ class FSDPState:
         return out
 
     def update_settings(self, **changes: Any) -> None:
-        """Replace this call's settings (``FSDPModule.set_*``): one new frozen value, handed to its
-        own groups too. A new reduce dtype re-derives each parameter's."""
+        """``FSDPModule.set_*``: one new frozen `Settings`, shared with this call's groups."""
         before = self.settings
         self.settings = dataclasses.replace(before, **changes)
         for g in self.own:
@@ -466,8 +428,8 @@ class FSDPState:
         self.resolve_reshard_after_forward()
 
     def may_share_collectives(self) -> bool:
-        """Whether this module's group may join a bucket at all (see bucket.py): not the root's
-        (gathered first, kept through forward), not offloaded, not tensor-parallel."""
+        """Whether this module's group may join a bucket: not the root's (gathered first, kept
+        through forward), not offloaded, not tensor-parallel."""
         group = self.group
         return (
             group is not None
@@ -478,8 +440,8 @@ class FSDPState:
         )
 
     def follows_default_schedule(self) -> bool:
-        """Whether the settings leave this module on the schedule a bucket assumes (reshard after
-        forward and after backward, unshard in backward, implicit prefetch)."""
+        """Whether the settings keep the schedule a bucket assumes: reshard after forward and
+        backward, unshard in backward, implicit prefetch, plain collectives."""
         s = self.settings
         return (
             self.reshard_after_forward is True
@@ -497,16 +459,15 @@ class FSDPState:
         self.default_schedule = self.follows_default_schedule()
 
     def root_context(self) -> RootContext:
-        """The per-root runtime state this module runs under. Before any forward (an explicit
-        ``unshard()``, ``unsharded()``), this state lazily becomes the root of its subtree."""
+        """Before any forward (e.g. ``unshard()``) this state lazily becomes a root."""
         if self.ctx is None:
             self.lazy_init()
         assert self.ctx is not None
         return self.ctx
 
-    # -- hooks: each reports one event; the table (MODULE, below) decides what runs ----------------
+    # -- hooks: each reports one event; the table MODULE decides what runs
 
-    # Inside backward (an autograd node runs: activation checkpointing recomputes) or not.
+    # A running autograd node means backward: activation checkpointing recomputes the module.
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         recompute = torch._C._current_autograd_node() is not None
         return self.handle(ModuleEvent.RECOMPUTE if recompute else ModuleEvent.FORWARD, module, args, kwargs)
@@ -524,15 +485,15 @@ class FSDPState:
         self.handle(ModuleEvent.SIGNAL)
 
     def finish_backward(self) -> None:
-        """End of backward (`RootContext.finish_backward`)."""
         self.handle(ModuleEvent.BACKWARD_END)
 
     def reset(self) -> None:
         self.handle(ModuleEvent.RESET)
 
     def handle(self, event: ModuleEvent, *payload: Any) -> Any:
+        # step_for's choice, inlined: the hot path enters no extra function.
         step = MODULE.get((self.phase, event))
-        if type(step) is tuple:  # guarded steps: the first whose guard holds
+        if type(step) is tuple:
             for s in step:
                 if s.when is None or s.when(self, *payload):
                     step = s
@@ -548,20 +509,20 @@ class FSDPState:
             self.phase = step.then
         return result
 
-    # -- forward ---------------------------------------------------------------------------------
+    # -- forward
 
     def prepare_inputs(
         self, args: tuple, kwargs: dict, in_backward: bool
     ) -> tuple[tuple, dict, Optional[torch.Event]]:
-        """Lazy init; the root moves the inputs to the device and reports to its iteration; inputs
-        cast to the compute dtype. Returns the post-optimizer event the first all-gather waits for."""
+        """Lazy init; the root moves inputs to the device and reports to its iteration; cast inputs.
+        Returns the post-optimizer event the first all-gather waits for."""
         ctx = self.root_context()
         after: Optional[torch.Event] = None
         if self.is_root:
             if self.info.device.type != "cpu":
                 args, kwargs = self._move_inputs(args, kwargs)
             ctx.handle(Event.RECOMPUTE if in_backward else Event.ROOT_FORWARD)
-            if not in_backward:  # accelerators: the first all-gather waits only for the optimizer step
+            if not in_backward:
                 after, self.post_optim_event = self.post_optim_event, None
         mp = self.mp_policy
         if mp.cast_forward_inputs and mp.param_dtype is not None:
@@ -602,12 +563,8 @@ class FSDPState:
             )
 
     def unshard_for_recompute(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Forward inside backward: activation checkpointing recomputes this module.
-
-        Only make sure the parameters are there (usually they are: this module's pre-backward
-        or a prefetch gathered them). No post-backward signal: the recomputed graph is only a
-        source of saved tensors, its backward never runs; the original forward's signal fires.
-        """
+        """Activation checkpointing recomputes this module. No post-backward signal: the recomputed
+        graph's backward never runs; the original forward's signal fires."""
         args, kwargs, _ = self.prepare_inputs(args, kwargs, in_backward=True)
         if self.groups:
             with record_function(f"FSDP::pre_recompute {self.fqn}"):
@@ -615,15 +572,14 @@ class FSDPState:
         return args, kwargs
 
     def _unshard_groups(self, reason: Reason, after: Optional[torch.Event] = None) -> None:
-        """Own group and borrowed ones: issue every all-gather first, then wait for them."""
+        """Issue every all-gather (own and borrowed groups) before waiting for any."""
         for g in self.groups:
             g.unshard(reason, after)
         for g in self.groups:
             g.wait_for_unshard()
 
     def finish_output(self, module: nn.Module, output: Any) -> Any:
-        """Post-forward of each module of the call: cast the output; the root reshards bucket
-        members its forward skipped; outputs hooked for backward."""
+        """Cast the output; the root reshards bucket members its forward skipped; hook for backward."""
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         if self.is_root and self.ctx is not None:
@@ -634,14 +590,11 @@ class FSDPState:
         return output
 
     def finish_member(self, module: nn.Module, output: Any) -> Any:
-        """List form: one module of the call finished its forward; others still run."""
         self._members_done.add(self._member_index(module))
         return self.finish_output(module, output)
 
     def after_forward(self, module: nn.Module, output: Any) -> Any:
-        """The call's forward is done: reshard as the settings say (fully, to the smaller group,
-        or keep); without grad no backward will come for these parameters, so keep nothing
-        unsharded."""
+        """Reshard as the settings say; without grad no backward comes, so keep nothing unsharded."""
         output = self.finish_output(module, output)
         self._members_done.clear()
         grad_enabled = torch.is_grad_enabled()
@@ -659,20 +612,18 @@ class FSDPState:
         return output
 
     def after_recompute(self, module: nn.Module, output: Any) -> Any:
-        """Cast the output. Inside backward nothing else: backward needs these parameters next,
-        and its own post-backward reshards them."""
+        """Only cast: backward needs these parameters next, and its post-backward reshards them."""
         dtype = self.mp_policy.output_dtype
         return _cast_floats(output, dtype) if dtype is not None else output
 
     def members_left(self, module: nn.Module, output: Any) -> bool:
-        """Guard: other modules of a list-form call have not finished this forward yet."""
+        """Guard: other members of a list-form call have not finished this forward."""
         if len(self.modules) == 1:
             return False
         return len(self._members_done | {self._member_index(module)}) < len(self.modules)
 
     def is_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
-        """Guard: this is the root's forward (its own iteration decides what to do with a
-        backward still in flight)."""
+        """Guard: the root's iteration decides what to do with a backward still in flight."""
         return self.is_root
 
     def _member_index(self, module: nn.Module) -> int:
@@ -710,16 +661,16 @@ class FSDPState:
             torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
         return output
 
-    # -- backward --------------------------------------------------------------------------------
+    # -- backward
 
     def unshard_for_backward(self) -> None:
         ctx = self.root_context()
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
-            if self.settings.unshard_in_backward:  # a no-op when the previous group's backward prefetched it
+            if self.settings.unshard_in_backward:  # no-op if prefetched
                 self._unshard_groups(Reason.BACKWARD)
-            # Prefetch only after our own copy-out: two all-gather outputs are never alive at once,
-            # and the prefetch still overlaps all of this group's backward compute.
+            # Prefetch after our own copy-out: two all-gather outputs are never alive at once, and it
+            # still overlaps all of this group's backward.
             implicit = ctx.backward_prefetch_target(self)
             explicit = self.settings.backward_prefetch
             for target in explicit if explicit is not None else [implicit] if implicit is not None else []:
@@ -729,8 +680,7 @@ class FSDPState:
                             g.unshard(Reason.BACKWARD_PREFETCH)
 
     def signals_left(self) -> bool:
-        """Guard: a module used several times in forward reduces after the backward of its first
-        use, i.e. when the last of its post-backward signals fires."""
+        """Guard: a module used several times in forward reduces at its last signal (its first use)."""
         return self._signals_pending > 1
 
     def count_signal(self) -> None:
@@ -769,55 +719,53 @@ class FSDPState:
 
 
 _I, _E = IterationPhase, Event
-# The root's iteration: (phase, event) -> Step, whose action is the `RootContext` method that runs.
-# A pair missing here is a bug in the caller's sequence and raises, naming both.
+# The root's iteration: (phase, event) -> Step whose action is the `RootContext` method that runs.
+# A missing pair is a bug in the caller's sequence and raises, naming both.
 ITERATION: dict[tuple[IterationPhase, Event], Entry] = {
-    (_I.IDLE, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.start_iteration),
-    # Several forwards before one backward (an evaluation forward, or two losses summed).
-    (_I.FORWARD, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.start_iteration),
+    # Several forwards before one backward: an evaluation forward, or two losses summed.
+    **{(p, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.start_iteration) for p in (_I.IDLE, _I.FORWARD)},
     # A forward while backward is in flight: that backward raised, so autograd never ran the
-    # end-of-backward callback. Recover (reshard, drop its unreduced gradients), then start.
-    (_I.BACKWARD, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.recover_and_start),
-    (_I.FINALIZING, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.recover_and_start),
-    # Recomputation inside backward changes nothing at the root (the groups decide what to gather).
-    **{(phase, _E.RECOMPUTE): Step(phase) for phase in IterationPhase},
-    (_I.FORWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward),
-    # A backward with no forward since the last one ended: a retained graph run again.
-    (_I.IDLE, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward),
+    # end-of-backward callback. Recover (reshard, drop unreduced gradients), then start.
+    **{
+        (p, _E.ROOT_FORWARD): Step(_I.FORWARD, RootContext.recover_and_start)
+        for p in (_I.BACKWARD, _I.FINALIZING)
+    },
+    **{(p, _E.RECOMPUTE): Step(p) for p in IterationPhase},  # the groups decide what to gather
+    # From IDLE: a retained graph run backward again.
+    **{(p, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward) for p in (_I.IDLE, _I.FORWARD)},
     (_I.BACKWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD),
     (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, RootContext.finish_backward, then=_I.IDLE),
-    **{(phase, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for phase in IterationPhase},
+    **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for p in IterationPhase},
 }
 
 
 _P, _M, _S = TrainingPhase, ModuleEvent, FSDPState
-# One sharded module: (phase, event) -> Step (or steps tried in order: the first whose guard holds),
-# whose action is the `FSDPState` method that runs with the event's payload. A pair missing here
-# raises, naming the module and both. RECOMPUTE, BACKWARD_END and RESET can come in any phase.
+# One sharded module: (phase, event) -> Step, or steps whose first holding guard wins; the action is
+# the `FSDPState` method that runs with the event's payload. A missing pair raises, naming both.
 MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
-    # then=FORWARD again: a root whose last backward raised resets every module while it starts
-    # (RootContext.recover_and_start), this one included.
-    (_P.IDLE, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD),
-    # List form: the next module of the call; or a module that runs inside its own forward.
-    (_P.FORWARD, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD),
-    # The root's forward after a backward that raised (autograd never ran the end-of-backward
-    # callback): the root's recovery resets every module, the root included, as it starts.
+    # FORWARD in FORWARD: the next member of a list-form call, or a module run inside its own forward.
+    # then=FORWARD: a root recovering from a backward that raised resets every module as it starts,
+    # itself included; only the root's forward may come during backward (is_root_forward).
+    **{
+        (p, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD)
+        for p in (_P.IDLE, _P.FORWARD)
+    },
     **{
         (p, _M.FORWARD): Step(_P.FORWARD, _S.unshard_for_forward, then=_P.FORWARD, when=_S.is_root_forward)
         for p in (_P.PRE_BACKWARD, _P.POST_BACKWARD)
     },
     (_P.FORWARD, _M.FORWARD_DONE): (
-        Step(_P.FORWARD, _S.finish_member, when=_S.members_left),  # list form: others still run
+        Step(_P.FORWARD, _S.finish_member, when=_S.members_left),
         Step(_P.IDLE, _S.after_forward),
     ),
-    # Gradients reach the module's outputs (also while its forward runs: autograd.grad inside it).
-    (_P.IDLE, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
-    (_P.FORWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
-    # Used twice in forward: its second use's outputs get gradients too.
-    (_P.PRE_BACKWARD, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward),
-    # A signal fires when the gradients of one forward use exist; the module reduces at the last
-    # (with several uses, once for all). Without a pre-backward (its outputs reached the loss
-    # only untracked) too.
+    # Gradients reach the outputs: also during forward (autograd.grad inside it), and again for a
+    # second forward use.
+    **{
+        (p, _M.PRE_BACKWARD): Step(_P.PRE_BACKWARD, _S.unshard_for_backward)
+        for p in (_P.IDLE, _P.FORWARD, _P.PRE_BACKWARD)
+    },
+    # A signal fires once the gradients of one forward use exist; the module reduces at the last
+    # (from IDLE too: its outputs reached the loss only untracked).
     **{
         (p, _M.SIGNAL): (
             Step(p, _S.count_signal, when=_S.signals_left),
@@ -828,10 +776,8 @@ MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
     **{
         (p, _M.SIGNAL): Step(p, _S.count_signal, when=_S.signals_left) for p in (_P.FORWARD, _P.POST_BACKWARD)
     },
-    **{(p, _M.RECOMPUTE): Step(p, _S.unshard_for_recompute) for p in TrainingPhase},
-    **{(p, _M.RECOMPUTE_DONE): Step(p, _S.after_recompute) for p in TrainingPhase},
-    **{
-        (p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in TrainingPhase
-    },
-    **{(p, _M.RESET): Step(_P.IDLE, _S.reset_module) for p in TrainingPhase},
+    **{(p, _M.RECOMPUTE): Step(p, _S.unshard_for_recompute) for p in _P},
+    **{(p, _M.RECOMPUTE_DONE): Step(p, _S.after_recompute) for p in _P},
+    **{(p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in _P},
+    **{(p, _M.RESET): Step(_P.IDLE, _S.reset_module) for p in _P},
 }

@@ -1,8 +1,5 @@
-"""The watchdog: a CPU wait for a collective that takes too long writes what every root is doing
-and every thread's Python stack to stderr; the wait goes on.
-
-Turn it on with ``fully_shard.debug.set_watchdog(seconds)`` or ``FULLY_SHARD_WATCHDOG=seconds``.
-Off, a wait costs one module-attribute lookup (`comm.Pending.wait` reads ``timeout``).
+"""The watchdog: a CPU wait for a collective that takes too long writes every root's state and every
+thread's Python stack to stderr; the wait goes on. Off, a wait costs one attribute lookup.
 
 Imports: torch only (the comm layer waits through `wait`).
 """
@@ -21,15 +18,14 @@ import torch.distributed as dist
 ENV_WATCHDOG = "FULLY_SHARD_WATCHDOG"
 
 timeout: Optional[float] = None  # seconds; None: off
-_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()  # RootContexts (anything with describe() -> list[str])
+_roots: "weakref.WeakSet[Any]" = weakref.WeakSet()  # RootContexts
 
 
 def set_watchdog(seconds: Optional[float]) -> None:
-    """A rank that waits longer than ``seconds`` for one of fully_shard's collectives writes, to
-    stderr, the state of every root in the process (phases, which groups are unsharded, work in
-    flight) and every thread's Python stack; the wait goes on. ``None``: off. CPU waits only: on
-    accelerators the host does not wait for collectives (streams do; PyTorch's NCCL watchdog and
-    flight recorder cover those)."""
+    """A rank that waits longer than ``seconds`` for one of fully_shard's collectives writes to stderr
+    the state of every root in the process and every thread's Python stack; the wait goes on.
+    ``None``: off (also the default; ``FULLY_SHARD_WATCHDOG=seconds`` turns it on). CPU waits only:
+    on accelerators streams wait, and PyTorch's NCCL watchdog covers them."""
     global timeout
     if seconds is not None and not seconds > 0:
         raise ValueError(f"set_watchdog expects seconds > 0 or None (off), got {seconds!r}.")
@@ -41,13 +37,12 @@ def register_root(root: Any) -> None:
 
 
 def roots() -> list[Any]:
-    """Every live root (`RootContext`) in the process: what the watchdog dumps, and what a check
-    turned on later attaches to (`fully_shard.debug.set_schedule_check`)."""
+    """Every live `RootContext` in the process."""
     return list(_roots)
 
 
 def wait(work: Any, what: object, seconds: float) -> None:
-    """``work.wait()`` under a ``seconds`` timer (the watchdog is on); ``what`` names the collective."""
+    """``work.wait()`` under a ``seconds`` timer; ``what`` names the collective."""
     timer = threading.Timer(seconds, _dump, args=(what, seconds))
     timer.daemon = True
     timer.start()

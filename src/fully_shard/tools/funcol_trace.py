@@ -1,18 +1,15 @@
-"""DTensor's collectives in a trace: tensor parallel, sequence parallel and every other
-redistribute run PyTorch's functional collectives (``torch.ops._c10d_functional``), not ours, so
-the comm layer never sees them. This dispatch mode does, and reports each to a `debug.Trace` as a
-`CollectiveRecord` with phase ``dtensor_forward`` or ``dtensor_backward`` (autograd's backward is
-running), the innermost module running (PyTorch's ``ModuleTracker``; in backward it is exact to the
-block, approximate below it: sibling layers that read one input are in backward together), and the same byte
-convention as ours (all-gather output, reduce-scatter input, all-reduce buffer, all-to-all input).
+"""DTensor's own collectives in a trace (``fully_shard.debug.trace(dtensor=True)``; the planner too).
 
-Off unless asked for (``fully_shard.debug.trace(dtensor=True)``; ``fully_shard.plan`` always asks):
-a dispatch mode sees every op.
+Tensor/sequence parallel and other redistributes run PyTorch's functional collectives, which our
+comm layer never sees. This dispatch mode reports each to a `debug.Trace` with phase
+``dtensor_forward`` or ``dtensor_backward``, the innermost module running (PyTorch's
+``ModuleTracker``: exact to the block in backward, approximate below it) and our byte convention.
+It sees every op, so it is off unless asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,24 +44,24 @@ def _first(tensors: Any) -> torch.Tensor:
     return tensors if isinstance(tensors, torch.Tensor) else tensors[0]
 
 
-def _ops() -> dict[Any, tuple[str, Callable[[tuple, Any], int]]]:
-    """Functional collective -> (our op name, its bytes from (args, output))."""
+def _ops() -> dict[Any, str]:
+    """Functional collective -> our op name."""
     import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
 
     f = torch.ops._c10d_functional
     return {
-        f.all_gather_into_tensor.default: ("all_gather", lambda a, out: _nbytes(out)),
-        f.all_gather_into_tensor_coalesced.default: ("all_gather", lambda a, out: _nbytes(out)),
-        f.reduce_scatter_tensor.default: ("reduce_scatter", lambda a, out: _nbytes(a[0])),
-        f.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", lambda a, out: _nbytes(a[0])),
-        f.all_reduce.default: ("all_reduce", lambda a, out: _nbytes(a[0])),
-        f.all_reduce_coalesced.default: ("all_reduce", lambda a, out: _nbytes(a[0])),
-        f.all_to_all_single.default: ("all_to_all", lambda a, out: _nbytes(a[0])),
+        f.all_gather_into_tensor.default: "all_gather",
+        f.all_gather_into_tensor_coalesced.default: "all_gather",
+        f.reduce_scatter_tensor.default: "reduce_scatter",
+        f.reduce_scatter_tensor_coalesced.default: "reduce_scatter",
+        f.all_reduce.default: "all_reduce",
+        f.all_reduce_coalesced.default: "all_reduce",
+        f.all_to_all_single.default: "all_to_all",
     }
 
 
 class FunctionalCollectiveTrace(TorchDispatchMode):
-    """Report each functional collective run inside it to ``trace`` (see the module docstring)."""
+    """Report each functional collective run inside it to ``trace``."""
 
     def __init__(self, trace: RecordSink) -> None:
         super().__init__()
@@ -106,20 +103,13 @@ class FunctionalCollectiveTrace(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        kind = self.ops.get(func)
-        if kind is not None:
-            op, nbytes = kind
+        op = self.ops.get(func)
+        if op is not None:
             name = kwargs["group_name"] if kwargs and "group_name" in kwargs else args[-1]
             size, span = self._group(name)
             phase = "dtensor_backward" if torch._C._current_graph_task_id() != -1 else "dtensor_forward"
-            self.trace.add_record(
-                phase,
-                self._module(),
-                op,
-                _first(args[0]).dtype,
-                nbytes(args, out),
-                size,
-                name,
-                rank_span=span,
-            )
+            # Our byte convention: an all-gather's output, the input of every other collective.
+            nbytes = _nbytes(out if op == "all_gather" else args[0])
+            dtype = _first(args[0]).dtype
+            self.trace.add_record(phase, self._module(), op, dtype, nbytes, size, name, rank_span=span)
         return out

@@ -1,22 +1,9 @@
-"""Live tensor bytes on one rank, as the step runs: the same counter for a simulated step (meta
-tensors) and a real one (CPU or accelerator tensors), so the two can be compared.
-
-Every storage an op creates on the device is counted from its creation until it dies (a weak
-reference to the storage) or is resized (``UntypedStorage.resize_``, which the engine uses to
-free unsharded parameters, is wrapped while the counter runs). ``peak`` is the largest total
-seen after any op. ``snapshot(label)`` records the total split by what the engine knows each
-storage to be (`categories`): sharded parameters, gradients, optimizer state, unsharded
-parameters, communication buffers, module buffers; the rest is activations and temporaries.
-
-Host memory (``CPUOffloadPolicy``) is counted apart (``host_current``, ``host_peak``): storages
-tracked as the host's, those the engine makes for the host (`fully_shard.runtime.host.allocating`), and
-what any op makes from host storages only (the optimizer's state and temporaries). On a real
-accelerator run that is the CPU; in a meta simulation the host is meta too, told apart this way.
-
-Wrapper subclasses (DTensor, all-gather extensions' weights) are counted by their inner tensors
-(sparse tensors are not counted);
-a storage grown or shrunk by ``Tensor.resize_`` is re-measured. Frees may come from the engine's
-release thread, so the counts are kept under a lock.
+"""Live tensor bytes on one rank as the step runs, the same counter for a simulated (meta) step and
+a real one. A storage counts from creation until it dies (a weak reference) or is resized
+(``UntypedStorage.resize_``, how the engine frees unsharded parameters, is wrapped while counting).
+Host memory (``CPUOffloadPolicy``) is counted apart: storages tracked as the host's, those made
+under `runtime.host.allocating`, and what ops make from host storages only. Wrapper subclasses count
+by their inner tensors; sparse tensors not at all. The engine's release thread frees too: a lock.
 """
 
 from __future__ import annotations
@@ -32,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..layouts.mesh import default_device_type
 from ..runtime.host import is_allocating
 
 CATEGORIES = (
@@ -43,7 +31,6 @@ CATEGORIES = (
     "buffers",
     "activations",
 )
-
 
 _RESIZES = (torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default)
 
@@ -78,15 +65,11 @@ class LiveBytes(TorchDispatchMode):
         self.host_peak = 0
         self.timeline: list[Snapshot] = []
         self._orig_resize: Any = None
-        self._lock = (
-            threading.RLock()
-        )  # a collection inside a counted block may free a storage: _freed re-enters
-
-    # -- counting ------------------------------------------------------------------------------
+        # Reentrant: a garbage collection inside a counted block may free a storage (_freed).
+        self._lock = threading.RLock()
 
     def track(self, tensors: Iterable[Any], host: bool = False) -> None:
-        """Count tensors that exist already (the model's parameters, an optimizer's state), as the
-        host's with ``host=True`` (offloaded shards, their gradients and optimizer state)."""
+        """Count tensors that exist already (parameters, optimizer state); ``host=True``: as the host's."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self._add(t, host)
@@ -99,9 +82,9 @@ class LiveBytes(TorchDispatchMode):
                     self._add(getattr(t, name), host)
             return
         if t.layout != torch.strided:
-            return  # sparse or other layouts: no storage of their own to count (not the engine's)
-        # Host bytes live on the CPU (in a meta simulation, on meta): an op that copies a host
-        # tensor to the accelerator makes device memory, whatever its inputs.
+            return  # sparse or other layouts: no storage of their own to count
+        # Host bytes live on the CPU (meta when simulating): a copy of a host tensor to the
+        # accelerator is device memory, whatever its inputs.
         host = host and t.device.type == ("meta" if self.device_type == "meta" else "cpu")
         if t.device.type not in (self.device_type, "cpu") or (t.device.type != self.device_type and not host):
             return  # another device (or CPU memory that is not this run's host)
@@ -112,14 +95,18 @@ class LiveBytes(TorchDispatchMode):
         nbytes = storage.nbytes()
         with self._lock:
             self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
-            if host:
-                self.host_sizes[key] = nbytes
-                self.host_current += nbytes
-                self.host_peak = max(self.host_peak, self.host_current)
-            else:
-                self.sizes[key] = nbytes
-                self.current += nbytes
-                self.peak = max(self.peak, self.current)
+            self._set(key, nbytes, host)
+
+    def _set(self, key: int, nbytes: int, host: bool) -> None:
+        """A storage's new size (0 before it was counted); the caller holds the lock."""
+        if host:
+            self.host_current += nbytes - self.host_sizes.get(key, 0)
+            self.host_sizes[key] = nbytes
+            self.host_peak = max(self.host_peak, self.host_current)
+        else:
+            self.current += nbytes - self.sizes.get(key, 0)
+            self.sizes[key] = nbytes
+            self.peak = max(self.peak, self.current)
 
     def _freed(self, key: int, _ref: Any) -> None:
         with self._lock:
@@ -130,19 +117,12 @@ class LiveBytes(TorchDispatchMode):
     def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         key = storage._cdata
         with self._lock:
-            if key in self.sizes:
-                self.current += nbytes - self.sizes[key]
-                self.sizes[key] = nbytes
-                self.peak = max(self.peak, self.current)
-            elif key in self.host_sizes:
-                self.host_current += nbytes - self.host_sizes[key]
-                self.host_sizes[key] = nbytes
-                self.host_peak = max(self.host_peak, self.host_current)
+            if key in self.sizes or key in self.host_sizes:
+                self._set(key, nbytes, key not in self.sizes)
 
     def _from_host(self, args: Any, kwargs: Any) -> bool:
-        """Whether an op's outputs may be the host's: the engine is allocating for the host, or
-        every input with storage is a host storage (and there is one). `_add` then keeps only
-        outputs on the host's device."""
+        """Whether an op's outputs may be the host's: the engine allocates for the host, or every
+        input with storage is a host storage (and there is one)."""
         if is_allocating():
             return True
         if not self.host_sizes:
@@ -153,7 +133,7 @@ class LiveBytes(TorchDispatchMode):
                 continue
             local = _local(t)
             if local.layout != torch.strided or type(local) not in (torch.Tensor, torch.nn.Parameter):
-                return False  # sparse, nested or another subclass: not the engine's host tensors
+                return False  # sparse, nested or another subclass: not the engine's
             storage = local.untyped_storage()
             if storage._cdata in self.host_sizes:
                 seen = True
@@ -164,11 +144,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         host = self._from_host(args, kwargs)
         out = func(*args, **(kwargs or {}))
-        if (
-            func in _RESIZES
-            and isinstance(args[0], torch.Tensor)
-            and type(args[0]) in (torch.Tensor, torch.nn.Parameter)
-        ):
+        if func in _RESIZES and type(args[0]) in (torch.Tensor, torch.nn.Parameter):
             storage = args[0].untyped_storage()
             self._resized(storage, storage.nbytes())
         tree_map_only(torch.Tensor, functools.partial(self._add, host=host), out)
@@ -195,8 +171,6 @@ class LiveBytes(TorchDispatchMode):
         self._orig_resize = None
         return super().__exit__(*exc)
 
-    # -- snapshots ------------------------------------------------------------------------------
-
     def snapshot(self, label: str) -> None:
         known = self.categories() if self.categories is not None else {}
         split = dict.fromkeys(CATEGORIES, 0)
@@ -208,37 +182,32 @@ class LiveBytes(TorchDispatchMode):
 
 
 def track_model(counter: LiveBytes, states: list[Any], optimizers: list[torch.optim.Optimizer]) -> None:
-    """Count what exists before counting starts: the parameters, buffers and gradients of these
-    states' modules and the optimizers' state, offloaded shards (``CPUOffloadPolicy``) and their
-    gradients and optimizer state as the host's."""
+    """Count what exists before counting starts: these states' parameters, buffers and gradients and
+    the optimizers' state; offloaded shards, their gradients and optimizer state as the host's."""
     offloaded = [p.sharded_param for s in states for g in s.own for p in g.params if p.offload]
     host_ids = {id(p) for p in offloaded}
-    params = list({id(p): p for s in states for m in s.modules for p in m.parameters()}.values())
-    mine = {id(p) for p in params}
+    params = {id(p): p for s in states for m in s.modules for p in m.parameters()}
     counter.track(offloaded, host=True)
     counter.track((p.grad for p in offloaded), host=True)
-    counter.track(p for p in params if id(p) not in host_ids)
+    counter.track(p for i, p in params.items() if i not in host_ids)
     counter.track(b for s in states for m in s.modules for b in m.buffers())
-    counter.track(p.grad for p in params if id(p) not in host_ids)
+    counter.track(p.grad for i, p in params.items() if i not in host_ids)
     for opt in optimizers:  # state from earlier steps (or a checkpoint) is live from the start
         for param, entry in opt.state.items():
-            if id(param) in mine:
+            if id(param) in params:
                 counter.track(entry.values(), host=id(param) in host_ids)
 
 
 class TraceMemory:
-    """Live bytes over a traced run (``fully_shard.debug.trace(memory=True)``): a `LiveBytes`
-    counter, told when a root first works under the trace what its model holds already
-    (`track_model`) and on which device it computes, and snapshotted at every collective."""
+    """Live bytes over a traced run (``debug.trace(memory=True)``): a `LiveBytes` counter that learns
+    each root's model when it first works under the trace, snapshotted at every collective."""
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
         self.optimizers = list(optimizers)
         self.states: list[Any] = []
         self.mesh_shape: tuple[int, ...] = ()
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         self.counter = LiveBytes(
-            accelerator.type if accelerator is not None else "cpu",
-            lambda: engine_categories(self.states, self.optimizers),
+            default_device_type(), lambda: engine_categories(self.states, self.optimizers)
         )
 
     def attach(self, states: list[Any]) -> None:
@@ -262,17 +231,15 @@ class TraceMemory:
 
 
 def engine_categories(states: list[Any], optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
-    """What the engine holds under these `FSDPState` s, by storage: sharded parameters, their
-    gradients (sharded, unsharded, deferred HSDP sums, waiting in a bucket), unsharded parameters
-    (and shares kept by ``reshard_after_forward=int``), collectives' buffers, module buffers; and
-    the optimizers' state."""
+    """Storage -> category of what these `FSDPState` s hold (`FSDPState.live_buffers`) and of the
+    optimizers' state."""
     out: dict[int, str] = {}
 
     def put(t: Any, category: str) -> None:
         if isinstance(t, torch.Tensor):
-            local = _local(t)
-            if local.untyped_storage().nbytes() > 0:
-                out.setdefault(local.untyped_storage()._cdata, category)
+            storage = _local(t).untyped_storage()
+            if storage.nbytes() > 0:
+                out.setdefault(storage._cdata, category)
 
     for opt in optimizers:
         for entry in opt.state.values():
