@@ -4,19 +4,18 @@ Compare this package's fully_shard with PyTorch's fully_shard and with DDP on on
 (``--model``: the example Llama, ``wide`` = a few Linear(4096, 4096), ``deep-narrow`` = 64 tiny
 residual blocks), each block and the root sharded, same seed, same data, in one run:
 
-* peak live tensor bytes in one step (PyTorch's MemTracker: storages allocated through the
-  dispatcher, freed when they die), host CPU time per step (the Python thread's thread_time) and
-  collectives per step, besides the columns below.
+* host CPU time per step (the Python thread's thread_time) and collectives per step, besides the
+  columns below.
 * step time (forward + backward + optimizer step): the three are interleaved round by round, in a
   rotating order, so machine noise hits each alike; medians over every timed step, and the ratio
   of ours to each of the others.
-* per-rank peak memory: the median over 7 fresh builds (rotating order) of the median over 5 steps
-  of the process's resident-memory high-water mark (VmHWM) in a step,
-  minus its resident memory before the model was built, so it counts parameters, gradients,
-  optimizer state and everything a step allocates (gloo's internal buffers and every thread
-  included), with only that implementation alive in the process. glibc's mmap threshold is pinned
-  at 64 KiB, so every tensor larger than that is unmapped the moment it is freed and resident
-  memory tracks live tensors. Linux only.
+* per-rank peak memory, counted at the allocator (``benchmarks/alloc``: a counting wrapper around
+  c10's CPU allocator, installed before anything is built): the most bytes of CPU storages alive at
+  once during a step, minus those alive before the model was built, so it counts parameters,
+  gradients, optimizer state, autograd's saved tensors, our buffers and what the collective
+  backend holds on its own threads. ``--memory-repeats`` fresh builds per implementation, taken in a
+  rotating order with one implementation alive at a time, 3 measured steps each: the median and the
+  min-max over all of them (a peak that depends on thread timing shows as a range).
 * bytes communicated per rank per step: every c10d collective seen by the dispatcher (all-gather
   output, reduce-scatter input); DDP's all-reduce runs inside its C++ reducer, unseen by the
   dispatcher, so its row reports the gradient bytes it all-reduces.
@@ -32,7 +31,6 @@ Options: --model {llama,wide,deep-narrow} --unbucketed --hsdp --rounds R --steps
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import statistics
@@ -41,7 +39,13 @@ import time
 from typing import Callable
 
 import torch
-import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import alloc  # noqa: E402
+
+COUNTER = alloc.install()  # before any tensor of a model exists
+
+import torch.distributed as dist  # noqa: E402
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,41 +165,15 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def set_mmap_threshold(nbytes: int) -> None:
-    """Serve allocations above ``nbytes`` with mmap, so a free returns them to the OS at once."""
-    m_mmap_threshold = -3
-    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, nbytes)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def release_free_memory() -> None:
-    """Return freed heap memory to the OS, so resident memory counts only what is live."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def resident_bytes() -> int:
-    release_free_memory()
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_step_bytes(impl: Impl, args: argparse.Namespace, before_model: int, samples: int = 5) -> int:
-    """Median over ``samples`` steps of the step's resident high-water mark above ``before_model``."""
+def step_peaks(impl: Impl, args: argparse.Namespace, before_model: int, samples: int = 3) -> list[int]:
+    """The allocator's peak in each of ``samples`` steps, above what was alive before the model."""
     peaks = []
     for step in range(samples):
-        release_free_memory()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident size
+        gc.collect()
+        COUNTER.reset_peak()
         impl.step(step, args)
-        peaks.append(_status_kib("VmHWM") * 1024 - before_model)
-    return int(statistics.median(peaks))
+        peaks.append(COUNTER.peak() - before_model)
+    return peaks
 
 
 def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
@@ -208,45 +186,24 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
     return counter.nbytes, counter.count
 
 
-def live_tensor_peak(impl: Impl, args: argparse.Namespace) -> int:
-    """Peak bytes of live CPU tensors during one step (PyTorch's MemTracker: every storage
-    allocated through the dispatcher, freed when it dies), not resident memory."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    gc.collect()
-    tracker = MemTracker()
-    tracker.track_external(impl.model, impl.opt)
-    with tracker:
-        impl.step(0, args)
-    peak = tracker.get_tracker_snapshot("peak")
-    return int(sum(stats.get("Total", 0) for stats in peak.values()))
-
-
-def measure_memory(names: list[str], args: argparse.Namespace) -> dict[str, tuple[int, tuple[int, int]]]:
-    """Peak bytes per implementation (median over ``args.memory_repeats`` fresh builds, taken in
-    a rotating order), with one implementation alive at a time so resident memory is its own."""
-    for name in names:  # first use of each code path allocates process-wide state: pay it up front
-        impl = build(name, args)
-        impl.step(0, args)
-        comm_bytes(impl, args)
-        del impl
-    set_mmap_threshold(64 * 1024)
+def measure_memory(names: list[str], args: argparse.Namespace) -> tuple[dict, dict]:
+    """Per implementation: every measured step's allocator peak (``args.memory_repeats`` fresh
+    builds, a rotating order, one implementation alive at a time) and (bytes, collectives) per step."""
     peaks: dict[str, list[int]] = {name: [] for name in names}
     comm: dict[str, tuple[int, int]] = {}
     for repeat in range(args.memory_repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for name in order:
-            before_model = resident_bytes()
+            gc.collect()
+            before_model = COUNTER.live()
             impl = build(name, args)
             impl.step(0, args)  # warm: optimizer state exists, lazy init done
             impl.step(1, args)
-            peaks[name].append(peak_step_bytes(impl, args, before_model))
+            peaks[name] += step_peaks(impl, args, before_model)
             if name not in comm:
                 comm[name] = comm_bytes(impl, args)
             del impl
-            gc.collect()
-    set_mmap_threshold(32 * 2**20)  # glibc's largest dynamic threshold: fast heap reuse for timing
-    return {name: (int(statistics.median(peaks[name])), comm[name]) for name in names}
+    return peaks, comm
 
 
 def timed(impl: Impl, fn: Callable[[], None]) -> None:
@@ -269,7 +226,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
-    p.add_argument("--memory-repeats", type=int, default=7, help="fresh builds per implementation for the memory median")
+    p.add_argument("--memory-repeats", type=int, default=4, help="fresh builds per implementation for the memory median")
     p.add_argument("--unbucketed", action="store_true",
                    help="also time ours with bucketing off (set_bucket_bytes(0)): what buckets cost and save")
     p.add_argument("--hsdp", action="store_true", help="both FSDPs on a (2, world/2) (replicate, shard) mesh")
@@ -295,13 +252,12 @@ def main() -> None:
     if args.hsdp and (world < 4 or world % 2):
         raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 
-    memory = measure_memory(names, args)
+    memory, comm = measure_memory(names, args)
 
     impls = [build(name, args) for name in names]
     for impl in impls:
         for s in range(args.warmup):
             impl.step(s, args)
-    live = {impl.name: live_tensor_peak(impl, args) for impl in impls}
     for r in range(args.rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]
         for impl in order:
@@ -318,7 +274,7 @@ def main() -> None:
         spans[impl.name] = (min(per_step), max(per_step))
         host[impl.name] = max(statistics.median(g[1]) for g in gathered)
     peaks: list = [None] * world
-    dist.all_gather_object(peaks, {n: (memory[n][0], live[n]) for n in names})
+    dist.all_gather_object(peaks, memory)
 
     if rank == 0:
         ours = medians["ours"]
@@ -328,21 +284,22 @@ def main() -> None:
         lines = [
             f"world {world}{' as HSDP (2 replicas x ' + str(world // 2) + ' shards)' if args.hsdp else ''}, CPU/gloo, "
             f"{args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
-            f"{args.steps_per_round} steps; RSS memory: median of {args.memory_repeats} builds; torch {torch.__version__}",
+            f"{args.steps_per_round} steps; memory: allocator peak per rank, max over ranks, median [min-max] of "
+            f"{args.memory_repeats} builds x 3 steps; torch {torch.__version__}",
             "",
-            "| implementation | median step (ms) [min-max] | ours / this | host CPU ms/step | peak live tensor MiB per rank | ours / this | peak RSS MiB per rank | collectives / step | comm MiB / rank / step |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| implementation | median step (ms) [min-max] | ours / this | host CPU ms/step | peak MiB per rank (allocator) [min-max] | ours / this | collectives / step | comm MiB / rank / step |",
+            "|---|---|---|---|---|---|---|---|",
         ]
+        worst = {n: [max(vals) for vals in zip(*(pk[n] for pk in peaks))] for n in names}  # max over ranks
+        mib = {n: [b / 2**20 for b in worst[n]] for n in names}
         for name in names:
-            rss = [pk[name][0] for pk in peaks]
-            tensors = [pk[name][1] for pk in peaks]
-            live_ratio = max(pk["ours"][1] / pk[name][1] for pk in peaks)
             lo, hi = spans[name]
+            med = statistics.median(mib[name])
             lines.append(
                 f"| {name} | {medians[name] * 1e3:.2f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}] | {ours / medians[name]:.3f} | "
-                f"{host[name] * 1e3:.2f} | {', '.join(f'{b / 2**20:.1f}' for b in tensors)} | {live_ratio:.3f} | "
-                f"{', '.join(f'{b / 2**20:.1f}' for b in rss)} | {memory[name][1][1] if name != 'ddp' else '(in C++)'} | "
-                f"{memory[name][1][0] / 2**20:.2f} |"
+                f"{host[name] * 1e3:.2f} | {med:.1f} [{min(mib[name]):.1f}-{max(mib[name]):.1f}] | "
+                f"{statistics.median(mib['ours']) / med:.3f} | {comm[name][1] if name != 'ddp' else '(in C++)'} | "
+                f"{comm[name][0] / 2**20:.2f} |"
             )
         emit("\n".join(lines), args.out)
 
