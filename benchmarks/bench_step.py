@@ -20,7 +20,8 @@ residual blocks), each block and the root sharded, same seed, same data, in one 
   output, reduce-scatter input); DDP's all-reduce runs inside its C++ reducer, unseen by the
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
-``--unbucketed`` adds a row for ours with bucketing off; ``--hsdp`` shards over a (2, world/2)
+``--unbucketed`` adds a row for ours with bucketing off; ``--in-flight N`` (repeatable) a row for
+ours with ``set_collectives_in_flight(N)``; ``--hsdp`` shards over a (2, world/2)
 (replicate, shard) mesh; ``--finite-check`` / ``--schedule-check`` turn those checks on for ours
 (compare with a run without to read their cost).
 
@@ -122,7 +123,7 @@ def build(name: str, args: argparse.Namespace) -> Impl:
     else:
         mesh = init_device_mesh("cpu", (world,))
     dtype = PARAM_DTYPES[args.param_dtype]
-    if name in ("ours", "ours_unbucketed"):
+    if name.startswith("ours"):
         from fully_shard import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
@@ -131,6 +132,8 @@ def build(name: str, args: argparse.Namespace) -> Impl:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if name == "ours_unbucketed":
             model.set_bucket_bytes(0)
+        if name.startswith("ours_in_flight_"):
+            model.set_collectives_in_flight(int(name.rsplit("_", 1)[1]))
         if args.finite_check:
             model.set_grad_finite_check("report")
     elif name == "torch_fsdp2":
@@ -229,6 +232,8 @@ def main() -> None:
     p.add_argument("--memory-repeats", type=int, default=4, help="fresh builds per implementation for the memory median")
     p.add_argument("--unbucketed", action="store_true",
                    help="also time ours with bucketing off (set_bucket_bytes(0)): what buckets cost and save")
+    p.add_argument("--in-flight", type=int, action="append", default=[],
+                   help="also run ours with set_collectives_in_flight(N) (repeatable): the memory / time trade-off")
     p.add_argument("--hsdp", action="store_true", help="both FSDPs on a (2, world/2) (replicate, shard) mesh")
     p.add_argument("--finite-check", action="store_true", help="ours with set_grad_finite_check('report'): its cost")
     p.add_argument("--schedule-check", action="store_true", help="ours with the schedule check on: its cost")
@@ -249,6 +254,8 @@ def main() -> None:
     names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]
     if args.unbucketed:
         names.insert(1, "ours_unbucketed")
+    for n in args.in_flight:
+        names.insert(1, f"ours_in_flight_{n}")
     if args.hsdp and (world < 4 or world % 2):
         raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 

@@ -26,20 +26,17 @@ Counting rules:
   file A != B, i.e. control goes back from B into A after A called into B. A return with no
   package caller (a hook called by torch from user code) does not count. A generator's ``yield``
   is a ``'return'`` event, so it counts like a return. Exceptions unwinding a frame count too.
-  Ours can differ by one from run to run and between ranks: the main thread and the release
-  thread race to wait on a reduce-scatter, and only the main thread's wait goes through
-  ``schedule.wait`` (one more comm.py -> schedule.py -> comm.py return).
 * Distinct functions / files are the union over all threads and over the window; the thread
   names that entered package code are kept in the JSON.
 
 Threads: ``threading.setprofile`` covers threads started after it is called (Python 3.11 has no
 way to install a profile function on a running thread), so the profile function is installed on
 this thread and for new threads before each model is built, and stays installed (idle between
-the windows) until that implementation's steady window closes: ours starts its
-``fully_shard-release`` thread lazily in step 1, and the steady step's work on it is counted.
+the windows) until that implementation's steady window closes, so work on any thread a step
+starts is counted (ours starts none since #22; before, its ``fully_shard-release`` thread).
 Gloo's and autograd's CPU threads run no Python (CPU backward runs on the calling thread). Each
-window opens and closes only once no package event has been seen for 50 ms on any thread, so the
-release thread's tail of the step before is not counted and that of the measured step is. When
+window opens and closes only once no package event has been seen for 50 ms on any thread, so a
+helper thread's tail of the step before is not counted and that of the measured step is. When
 done, the profile function is removed from this thread and from ``threading``, and every other
 thread it was installed on removes it at its next profile event.
 

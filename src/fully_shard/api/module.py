@@ -175,6 +175,20 @@ class FSDPModule:
         if state.ctx is not None:
             state.ctx.plan_buckets()
 
+    def set_collectives_in_flight(self, n: int) -> None:
+        """On the root: how many of its collectives may run at once on CPU backends (gloo), which
+        bounds the communication buffers alive together. ``1`` (default): a backward all-gather
+        prefetch overlaps compute, and each collective completes before the next is issued. ``0``:
+        each completes where it is issued (least memory). ``2``: a reduce-scatter also overlaps the
+        next block's backward (two layers' buffers more). Accelerators overlap through streams.
+        docs/benchmarks.md measures the trade-off."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"set_collectives_in_flight expects a count >= 0, got {n!r}.")
+        state = self._require_root("set_collectives_in_flight")
+        state.update_settings(collectives_in_flight=n)
+        if state.ctx is not None:
+            state.ctx.comm.limit = n
+
     def set_grad_finite_check(self, mode: Optional[str]) -> None:
         """On the root. ``"raise"``: if any rank's gradient had a NaN/Inf before the reduction, the
         last backward before the step raises `NonFiniteGradients` on every rank; ``"report"``:

@@ -12,9 +12,8 @@ the reduce-scatter input is held by its `Pending` until the compute stream waits
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
-import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -23,6 +22,10 @@ import torch.distributed as dist
 
 from . import watchdog
 from .collective import Collective, CollectiveObserver
+
+# Collectives a CPU root lets run at once: 1 overlaps a backward all-gather prefetch with compute
+# and keeps the peak at PyTorch's or below (docs/benchmarks.md has the trade-off).
+DEFAULT_IN_FLIGHT = 1
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Pending:
     # CPU: what needs the collective's result, run by the thread that waits (`CommContext.settle`).
     after: Callable[[], None] | None = None
     what: object = "a collective"  # how the watchdog names it (a `Collective`, formatted only then)
+    keeps_output: bool = False  # an all-gather: ``keep_alive[0]`` is read after the wait
     # One waiter per work: gloo's composite collectives finish writing their output inside wait(),
     # so a second, concurrent wait() can return before the data is there.
     _wait_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -64,42 +68,8 @@ class Pending:
         self.wait()
         self.keep_alive = ()
 
-    def release(self) -> None:
-        """Wait for the collective (if nobody has) and drop its buffers."""
-        with self._wait_lock:
-            if self.work is not None:
-                self.work.wait()
-                self.work = None
-            self.keep_alive = ()
-
-
-class Releaser:
-    """Drops a CPU collective's buffers as soon as it lands, e.g. a reduce-scatter's gradient input
-    while backward computes the next block. Gloo's work has no future to hang a callback on, so one
-    daemon thread per `CommContext` (started on first use) waits in issue order, gloo's order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Pending | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, pending: Pending) -> None:
-        if pending.work is None:
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=_drain, args=(self._queue,), name="fully_shard-release", daemon=True
-            )
-            self._thread.start()
-        self._queue.put(pending)
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-
-def _drain(work_queue: queue.SimpleQueue[Pending | None]) -> None:
-    # Holds only the queue, so the thread stops once its `CommContext` is collected.
-    while (pending := work_queue.get()) is not None:
-        pending.release()
+    def done(self) -> bool:
+        return self.work is None and self.after is None
 
 
 class CommContext:
@@ -116,22 +86,34 @@ class CommContext:
             self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
         self.observers: list[CollectiveObserver] = []
         # Accelerators overlap through streams (the side stream waits for the collective), the CPU
-        # through async work handles.
+        # through async work handles, at most ``limit`` at once (``set_collectives_in_flight``).
         self.async_op = not self.uses_streams
-        self.releaser = Releaser()
-        weakref.finalize(self, self.releaser.close)
+        self.limit = DEFAULT_IN_FLIGHT
+        self.in_flight: deque[Pending] = deque()
 
     def settle(self, pending: Pending, after: Callable[[], None]) -> None:
-        """A collective was just issued on the current stream: run ``after`` once it lands and free
-        its buffers early. Accelerator: queue ``after`` now (stream order puts it behind the
-        collective) and record the event waiters wait on. CPU: the waiting thread runs ``after``;
-        the releaser drops the buffers the moment the collective lands."""
+        """A collective was just issued on the current stream: run ``after`` once it lands.
+        Accelerator: queue it now (stream order puts it behind the collective) and record the event
+        waiters wait on. CPU: whoever completes the collective runs it (`complete`)."""
         if self.uses_streams:
             after()
             pending.event = torch.accelerator.current_stream(self.device).record_event()
         else:
             pending.after = after
-            self.releaser.submit(pending)
+
+    def track(self, pending: Pending) -> None:
+        """Count an issued CPU collective; with a limit of 0, complete it now."""
+        if pending.work is not None:
+            self.in_flight.append(pending)
+            if self.limit == 0:
+                complete(self.in_flight.popleft())
+
+    def make_room(self) -> None:
+        """Before a collective is issued: complete the oldest until fewer than ``limit`` (one at
+        least) are in flight, so the buffers alive at once are bounded by rule, not by timing."""
+        in_flight, room = self.in_flight, max(self.limit, 1)
+        while in_flight and (in_flight[0].done() or len(in_flight) >= room):
+            complete(in_flight.popleft())
 
     @contextlib.contextmanager
     def on(self, stream: torch.Stream | None, after: torch.Event | None = None) -> Iterator[None]:
@@ -151,9 +133,19 @@ class CommContext:
     def issue(self, c: Collective, run: Callable[[], dist.Work | None]) -> dist.Work | None:
         """Show ``c`` to every observer before ``run`` issues it (one may raise: then nothing is
         issued) and after."""
+        if self.in_flight:
+            self.make_room()
         for o in self.observers:
             o.before(c)
         work = run()
         for o in self.observers:
             o.after(c)
         return work
+
+
+def complete(pending: Pending) -> None:
+    """Wait, run what needs the result, and drop what the collective read and the backend's work
+    (gloo frees its staging copy with it). An all-gather's output stays for its copy-out."""
+    pending.wait()
+    if not pending.keeps_output:
+        pending.keep_alive = ()

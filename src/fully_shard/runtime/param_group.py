@@ -360,7 +360,8 @@ class FSDPParamGroup:
             stream = comm.all_gather_stream
             event = stream.record_event() if stream is not None else None
         extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
-        pending = Pending(work=work, event=event, keep_alive=(output,), what=c)
+        pending = Pending(work=work, event=event, keep_alive=(output,), what=c, keeps_output=True)
+        comm.track(pending)
         gather = AllGather(pending, world, members, extended, self.info.world_size // world)
         for g in members:
             g._all_gather = gather
@@ -570,6 +571,7 @@ class FSDPParamGroup:
                 pending = Pending(work=work, keep_alive=(rs_input,), what=c)
                 part = ReduceScatterPart(pending, output, params, plan, reason, name, missing=missing)
                 self._settle(part, comm)
+                comm.track(pending)
         return part
 
     def _settle(self, part: ReduceScatterPart, comm: CommContext) -> None:

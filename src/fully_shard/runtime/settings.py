@@ -9,6 +9,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .comm import DEFAULT_IN_FLIGHT
+
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
 
 
@@ -24,6 +26,7 @@ class Settings:
     # -- read from the root's settings --
     is_last_backward: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    collectives_in_flight: int = DEFAULT_IN_FLIGHT  # CPU: issued, not yet completed (comm.py)
     grad_finite_check: str = "env"  # "env" (FULLY_SHARD_CHECK_FINITE), "off", "raise" or "report"
     # -- the reduction --
     gradient_divide_factor: Optional[float] = None  # None: the data-parallel size (an average)
