@@ -177,11 +177,11 @@ class FSDPModule:
 
     def set_collectives_in_flight(self, n: int) -> None:
         """On the root: how many of its collectives may run at once on CPU backends (gloo), which
-        bounds the communication buffers alive together. ``1`` (default): a backward all-gather
-        prefetch overlaps compute, and each collective completes before the next is issued. ``0``:
-        each completes where it is issued (least memory). ``2``: a reduce-scatter also overlaps the
-        next block's backward (two layers' buffers more). Accelerators overlap through streams.
-        docs/benchmarks.md measures the trade-off."""
+        bounds the communication buffers alive together. ``0`` (default): each completes where it
+        is issued (least memory). ``1``: a backward all-gather prefetch overlaps compute; each
+        collective completes before the next is issued. ``2``: a reduce-scatter also overlaps the
+        next module's backward. Accelerators overlap through streams whatever the setting.
+        docs/benchmarks.md measures the trade-off (peak memory, step time)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"set_collectives_in_flight expects a count >= 0, got {n!r}.")
         state = self._require_root("set_collectives_in_flight")

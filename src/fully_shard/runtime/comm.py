@@ -23,9 +23,10 @@ import torch.distributed as dist
 from . import watchdog
 from .collective import Collective, CollectiveObserver
 
-# Collectives a CPU root lets run at once: 1 overlaps a backward all-gather prefetch with compute
-# and keeps the peak at PyTorch's or below (docs/benchmarks.md has the trade-off).
-DEFAULT_IN_FLIGHT = 1
+# Collectives a CPU root lets run at once. 0: on gloo, overlap saved at most ~3% of a step in
+# docs/benchmarks.md while a running all-gather holds a staging copy of its output; 0 keeps the peak
+# at or below PyTorch's on every model there.
+DEFAULT_IN_FLIGHT = 0
 
 
 @dataclass

@@ -361,10 +361,10 @@ class FSDPParamGroup:
             event = stream.record_event() if stream is not None else None
         extended = plan.dtype == torch.uint8 and any(p.uses_extension for g in members for p in g.params)
         pending = Pending(work=work, event=event, keep_alive=(output,), what=c, keeps_output=True)
-        comm.track(pending)
         gather = AllGather(pending, world, members, extended, self.info.world_size // world)
         for g in members:
             g._all_gather = gather
+        comm.track(pending)  # after: a watchdog dump during its wait shows the all-gather in flight
 
     def _all_gather_inputs(self, dtype: torch.dtype, inputs: list[torch.Tensor]) -> None:
         """Append this group's inputs: with one dtype each shard (copy-in casts it); with several,
