@@ -21,7 +21,8 @@ residual blocks), each block and the root sharded, same seed, same data, in one 
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
 ``--unbucketed`` adds a row for ours with bucketing off; ``--in-flight N`` (repeatable) a row for
-ours with ``set_collectives_in_flight(N)``; ``--hsdp`` shards over a (2, world/2)
+ours with ``set_collectives_in_flight(N)``; ``--bucket-bytes N`` (repeatable) one with
+``set_bucket_bytes(N)``; ``--hsdp`` shards over a (2, world/2)
 (replicate, shard) mesh; ``--finite-check`` / ``--schedule-check`` turn those checks on for ours
 (compare with a run without to read their cost).
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -132,6 +134,8 @@ def build(name: str, args: argparse.Namespace) -> Impl:
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if name == "ours_unbucketed":
             model.set_bucket_bytes(0)
+        if name.startswith("ours_bucket_"):
+            model.set_bucket_bytes(int(name.rsplit("_", 1)[1]))
         if name.startswith("ours_in_flight_"):
             model.set_collectives_in_flight(int(name.rsplit("_", 1)[1]))
         if args.finite_check:
@@ -229,9 +233,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--out", default=None, help="also write the markdown table here (rank 0)")
+    p.add_argument("--json", default=None, help="also write the rows as JSON here (rank 0; plot_bucket_curve.py reads it)")
     p.add_argument("--memory-repeats", type=int, default=4, help="fresh builds per implementation for the memory median")
     p.add_argument("--unbucketed", action="store_true",
                    help="also time ours with bucketing off (set_bucket_bytes(0)): what buckets cost and save")
+    p.add_argument("--bucket-bytes", type=int, action="append", default=[],
+                   help="also run ours with set_bucket_bytes(N) (repeatable): the bucket budget curve")
     p.add_argument("--in-flight", type=int, action="append", default=[],
                    help="also run ours with set_collectives_in_flight(N) (repeatable): the memory / time trade-off")
     p.add_argument("--hsdp", action="store_true", help="both FSDPs on a (2, world/2) (replicate, shard) mesh")
@@ -256,6 +263,8 @@ def main() -> None:
         names.insert(1, "ours_unbucketed")
     for n in args.in_flight:
         names.insert(1, f"ours_in_flight_{n}")
+    for n in args.bucket_bytes:
+        names.insert(1, f"ours_bucket_{n}")
     if args.hsdp and (world < 4 or world % 2):
         raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 
@@ -309,6 +318,11 @@ def main() -> None:
                 f"{comm[name][0] / 2**20:.2f} |"
             )
         emit("\n".join(lines), args.out)
+        if args.json:
+            rows = {n: {"step_ms": medians[n] * 1e3, "peak_mib": statistics.median(mib[n]),
+                        "collectives": comm[n][1]} for n in names if n != "ddp"}
+            with open(args.json, "w") as f:
+                json.dump({"model": args.model, "world": world, "rows": rows}, f, indent=1)
 
     shutdown()
 

@@ -54,7 +54,9 @@ def shard(model: nn.Module, shard_fn) -> None:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
-    return torch.randn(8, DIM, generator=gen, dtype=torch.float64), torch.randn(8, 3, generator=gen, dtype=torch.float64)
+    return torch.randn(8, DIM, generator=gen, dtype=torch.float64), torch.randn(
+        8, 3, generator=gen, dtype=torch.float64
+    )
 
 
 def _train(model: nn.Module, steps: int = STEPS) -> None:
@@ -139,8 +141,13 @@ def _budget() -> dict:
     model = deep_narrow()
     ref = copy.deepcopy(model)
     shard(model, fully_shard)
-    block_bytes = model[0]._get_fsdp_state().group.unsharded_bytes()
-    model.set_bucket_bytes(3 * block_bytes)  # 3 blocks per bucket: 3 + 3 + 2
+    from fully_shard.runtime.bucket import collective_bytes
+
+    group = model[0]._get_fsdp_state().group
+    block_bytes, cost = group.unsharded_bytes(), collective_bytes(group)
+    # Gathered parameters and gradients in fp32, their copies, the reduced shard: 2 S + S / W.
+    out_cost = 2 * block_bytes + block_bytes // group.info.world_size
+    model.set_bucket_bytes(3 * cost)  # 3 blocks per bucket: 3 + 3 + 2
     alive: list[int] = []
     root_bytes = model._get_fsdp_state().group.unsharded_bytes()
     for block in list(model)[:BLOCKS]:
@@ -150,6 +157,7 @@ def _budget() -> dict:
     out["gathers"] = [r.module for r in t.select(step=1, op="all_gather", phase="forward")]
     out["most_alive"] = max(alive)
     out["block_bytes"] = block_bytes
+    out["cost"], out["expected_cost"] = cost, out_cost
     return out
 
 
@@ -159,7 +167,8 @@ def test_byte_budget_sets_bucket_size_and_bounds_unsharded_memory(ranks, world_s
     check(results, "3-block buckets vs single process (float64)")
     for r in results:
         assert r["gathers"] == ["<root>", "0+1+2", "3+4+5", "6+7"], r["gathers"]
-        # In forward, at most one bucket of blocks is unsharded at a time: exactly the budget.
+        assert r["cost"] == r["expected_cost"], r
+        # In forward, at most one bucket of blocks is unsharded at a time.
         assert r["most_alive"] == 3 * r["block_bytes"], r
 
 

@@ -163,7 +163,7 @@ def test_simulated_offload_matches_a_real_run(ranks):
 
 def test_simulation_scales_to_a_thousand_ranks():
     """World 1,024 on the small model: the schedule of unbucketed blocks (at 1,024 ranks each
-    block's padded parameters exceed the 1 MiB bucket budget; at world 2 they share buckets), and
+    block's padded parameters exceed the default bucket budget; at world 2 they share buckets), and
     every collective exactly as large as 1,024 ranks' padded shards make it."""
     from llama_model import Llama, LlamaConfig
 

@@ -164,8 +164,10 @@ class FSDPModule:
         self._set_fsdp_settings(recurse, force_sum_reduction=value)
 
     def set_bucket_bytes(self, nbytes: int) -> None:
-        """On the root: consecutive sharded modules whose unsharded parameters total at most ``nbytes``
-        share one all-gather and one reduce-scatter (default 1 MiB; ``0``: off). See docs/design.md."""
+        """On the root: consecutive sharded modules share one all-gather and one reduce-scatter while
+        what their collectives hold at once (twice the larger of the gathered parameters and the
+        gradients to reduce, plus the reduced shard) totals at most ``nbytes``, so a bucket adds at
+        most ``nbytes`` to the peak (default 2 MiB; ``0``: off). See docs/design.md, "Bucketing"."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(
                 f"set_bucket_bytes expects a byte count >= 0 (0 turns bucketing off), got {nbytes!r}."

@@ -88,7 +88,7 @@ def recommend(
     * parameters in ``param_dtypes``: fp32, or bf16 (reduced in fp32; fp32 compute is priced at
       1/8 of the cluster's bf16 rate);
     * with ``reshard_after_forward=True`` (the schedule buckets follow), the root's
-      ``set_bucket_bytes`` budgets in ``bucket_sizes`` (None: the default, 1 MiB);
+      ``set_bucket_bytes`` budgets in ``bucket_sizes`` (None: the default, 2 MiB);
     * ``CPUOffloadPolicy`` or not (``offload``; offloaded groups are never bucketed, so once per
       other setting);
     * int8 all-gathers (``fully_shard.quant.Int8AllGather``) if ``int8_all_gather`` holds True

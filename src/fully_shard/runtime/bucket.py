@@ -6,7 +6,7 @@
 * reduce-scatter: members' gradients wait in the bucket until its last member in backward adds its
   own; the end of backward sends whatever is left.
 
-`plan_buckets` bounds the memory a bucket adds by the byte budget (``set_bucket_bytes``). A member
+`plan_buckets` bounds what a bucket holds at once by the byte budget (``set_bucket_bytes``). A member
 whose settings leave the default schedule communicates alone. With more than two ranks a bucketed
 reduce-scatter may differ from the unbucketed one in the last bit (summation order).
 """
@@ -121,7 +121,7 @@ def plan_buckets(
     follows_schedule: Callable[[FSDPParamGroup], bool],
 ) -> list[Bucket]:
     """Cut ``groups`` (module order; ``None``: may not share collectives) into buckets of
-    consecutive groups on one mesh and all-gather dtype whose unsharded bytes add up to at most
+    consecutive groups on one mesh and all-gather dtype whose `collective_bytes` add up to at most
     ``budget``. Runs of one group are left alone. Sets every group's ``bucket``."""
     for g in groups:
         if g is not None:
@@ -137,15 +137,25 @@ def plan_buckets(
         run, run_bytes = [], 0
 
     for g in groups:
-        if g is None or g.unsharded_bytes() > budget:
+        cost = collective_bytes(g) if g is not None else 0
+        if g is None or cost > budget:
             close()
             continue
-        if run and (_mesh_key(run[0]) != _mesh_key(g) or run_bytes + g.unsharded_bytes() > budget):
+        if run and (_mesh_key(run[0]) != _mesh_key(g) or run_bytes + cost > budget):
             close()
         run.append(g)
-        run_bytes += g.unsharded_bytes()
+        run_bytes += cost
     close()
     return buckets
+
+
+def collective_bytes(g: FSDPParamGroup) -> int:
+    """What a group adds to its bucket's collectives at their largest: twice the larger of its
+    all-gather output and its reduce-scatter input (the unsharded gradients alive with their
+    copy-in; on gloo, a collective's staging copy), plus its reduce-scatter output."""
+    world = g.info.world_size
+    reduce = world * sum(p.where.layout.shard_numel * p.dtypes.reduce.itemsize for p in g.params)
+    return 2 * max(g.unsharded_bytes(), reduce) + reduce // world
 
 
 def _mesh_key(g: FSDPParamGroup) -> tuple[object, ...]:

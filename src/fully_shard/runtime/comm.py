@@ -32,7 +32,8 @@ DEFAULT_IN_FLIGHT = 0
 @dataclass
 class Pending:
     """A collective in flight: its work handle (CPU) or completion event (accelerator), and the
-    buffers it reads or writes (``keep_alive``) until it is waited on."""
+    buffers it reads or writes (``keep_alive``) until it is waited on (an all-gather's output, read
+    by its copy-out, until then)."""
 
     work: dist.Work | None = None
     event: torch.Event | None = None
@@ -59,6 +60,8 @@ class Pending:
         if self.event is not None:
             torch.accelerator.current_stream().wait_event(self.event)
             self.event = None
+        if not self.keeps_output:  # what it read dies before what needs its result runs
+            self.keep_alive = ()
         after, self.after = self.after, None
         if after is not None:
             after()
@@ -145,8 +148,6 @@ class CommContext:
 
 
 def complete(pending: Pending) -> None:
-    """Wait, run what needs the result, and drop what the collective read and the backend's work
-    (gloo frees its staging copy with it). An all-gather's output stays for its copy-out."""
+    """Wait (dropping what the collective read and the backend's work, with which gloo frees its
+    staging copy), then run what needs the result. An all-gather's output stays for its copy-out."""
     pending.wait()
-    if not pending.keeps_output:
-        pending.keep_alive = ()

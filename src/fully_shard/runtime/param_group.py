@@ -152,7 +152,6 @@ class ReduceScatterResult:
         with record_function(f"FSDP::reduce_scatter_wait {self.parts[0].name}"), torch.no_grad():
             for part in self.parts:
                 part.pending.wait()  # CPU: runs `FSDPParamGroup._after_reduce_scatter` here
-                part.pending.keep_alive = ()
 
 
 class FSDPParamGroup:

@@ -11,7 +11,9 @@ import torch
 
 from .comm import DEFAULT_IN_FLIGHT
 
-DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB
+# 2 MiB: the knee of the measured curve (docs/benchmarks.md): deep-narrow 192 -> 6 collectives, and
+# llama-sized blocks (about 2 MiB each in their collectives) stay alone, at PyTorch's peak.
+DEFAULT_BUCKET_BYTES = 2 << 20
 
 
 @dataclass(frozen=True)
