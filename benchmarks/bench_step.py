@@ -322,7 +322,10 @@ def main() -> None:
             rows = {n: {"step_ms": medians[n] * 1e3, "peak_mib": statistics.median(mib[n]),
                         "collectives": comm[n][1]} for n in names if n != "ddp"}
             with open(args.json, "w") as f:
-                json.dump({"model": args.model, "world": world, "rows": rows}, f, indent=1)
+                from fully_shard.runtime.settings import DEFAULT_BUCKET_BYTES
+
+                json.dump({"model": args.model, "world": world, "rows": rows,
+                           "default_bucket_bytes": DEFAULT_BUCKET_BYTES}, f, indent=1)
 
     shutdown()
 

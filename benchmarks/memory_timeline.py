@@ -8,8 +8,8 @@ counted), with the highest value it reached since the sample before drawn as a l
 The split by category comes from each implementation's own bookkeeping: for ours the runtime's
 accounting of what it holds (``live_buffers`` of every state and of the root: sharded / unsharded
 parameters, gradients, communication buffers) and the optimizer's state; for
-PyTorch's, what its public surface shows (sharded parameters and their ``.grad``, the optimizer's
-state). The rest ("other") is activations, autograd's saved tensors and, for PyTorch's, its
+PyTorch's, what its public surface shows (the parameters registered at that moment, drawn as
+sharded though a computing block's are unsharded, their ``.grad``, the optimizer's state). The rest ("other") is activations, autograd's saved tensors and, for PyTorch's, its
 unsharded parameters and buffers, which it does not expose.
 
 Options: --model {wide,llama,deep-narrow} --dim D --layers L --batch B --seq-len S
@@ -27,7 +27,7 @@ import time
 import bench_step  # installs the allocator referee before any model exists
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 COUNTER = bench_step.COUNTER
 CATEGORIES = ["sharded_params", "unsharded_params", "gradients", "communication", "optimizer_state", "other"]

@@ -11,10 +11,13 @@ import argparse
 import json
 
 
-def curve(rows: dict) -> list[tuple[int, dict]]:
-    points = [(0, rows["ours_unbucketed"])] if "ours_unbucketed" in rows else []
-    points += [(int(n.rsplit("_", 1)[1]), r) for n, r in rows.items() if n.startswith("ours_bucket_")]
-    return sorted(points)
+def curve(run: dict) -> list[tuple[int, dict]]:
+    """(budget, row) points: off (0), every ``ours_bucket_N`` and the default row at its budget."""
+    rows = run["rows"]
+    points = {0: rows["ours_unbucketed"]} if "ours_unbucketed" in rows else {}
+    points.update({int(n.rsplit("_", 1)[1]): r for n, r in rows.items() if n.startswith("ours_bucket_")})
+    points.setdefault(run["default_bucket_bytes"], rows["ours"])
+    return sorted(points.items(), key=lambda point: point[0])
 
 
 def main() -> None:
@@ -27,10 +30,13 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.load(open(path)) for path in args.runs]
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            runs.append(json.load(f))
     fig, axes = plt.subplots(len(runs), 3, figsize=(12, 3.2 * len(runs)), squeeze=False)
     for row, run in zip(axes, runs):
-        points = curve(run["rows"])
+        points = curve(run)
         x = [max(b, 2**16) / 2**20 for b, _ in points]  # 0 (off) drawn at the left edge
         for ax, key, label in zip(row, ("collectives", "step_ms", "peak_mib"),
                                   ("collectives / step", "median step (ms)", "peak MiB / rank (allocator)")):

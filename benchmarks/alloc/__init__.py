@@ -68,7 +68,7 @@ def _build() -> str:
     return so
 
 
-_COUNTER: "Counter | None" = None
+_COUNTER: Counter | None = None
 
 
 def install() -> Counter:
