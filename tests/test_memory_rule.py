@@ -147,3 +147,19 @@ def test_set_collectives_in_flight_refuses_bad_counts(ranks):
     for value in (-1, True, 1.5, "1"):
         for error in ranks(1).run(_set_collectives_in_flight_refuses, value):
             assert error == f"set_collectives_in_flight expects a count >= 0, got {value!r}.", error
+
+
+def test_only_cpu_collectives_are_limited():
+    """The setting bounds CPU work; on accelerators the streams overlap a reduce-scatter with the next
+    module's backward whatever it is (a stream-ordered context, as `CommContext` builds for CUDA)."""
+    from fully_shard.runtime.comm import CommContext
+
+    comm = CommContext(torch.device("cpu"))
+    assert comm.limit == 0 and not comm.reduce_overlaps_compute
+    for n, overlaps in ((1, False), (2, True), (0, False)):
+        comm.set_limit(n)
+        assert comm.reduce_overlaps_compute is overlaps, n
+    comm.uses_streams = True  # what a CUDA device sets; no stream is needed to decide
+    for n in (0, 1, 2):
+        comm.set_limit(n)
+        assert comm.reduce_overlaps_compute, n

@@ -189,7 +189,7 @@ class FSDPModule:
         state = self._require_root("set_collectives_in_flight")
         state.update_settings(collectives_in_flight=n)
         if state.ctx is not None:
-            state.ctx.comm.limit = n
+            state.ctx.comm.set_limit(n)
 
     def set_grad_finite_check(self, mode: Optional[str]) -> None:
         """On the root. ``"raise"``: if any rank's gradient had a NaN/Inf before the reduction, the

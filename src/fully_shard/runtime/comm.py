@@ -92,8 +92,14 @@ class CommContext:
         # Accelerators overlap through streams (the side stream waits for the collective), the CPU
         # through async work handles, at most ``limit`` at once (``set_collectives_in_flight``).
         self.async_op = not self.uses_streams
-        self.limit = DEFAULT_IN_FLIGHT
         self.in_flight: deque[Pending] = deque()
+        self.set_limit(DEFAULT_IN_FLIGHT)
+
+    def set_limit(self, n: int) -> None:
+        """CPU: at most ``n`` collectives in flight; below 2 a reduce-scatter completes before the
+        next module's backward computes. Streams overlap whatever ``n`` is."""
+        self.limit = n
+        self.reduce_overlaps_compute = self.uses_streams or n >= 2
 
     def settle(self, pending: Pending, after: Callable[[], None]) -> None:
         """A collective was just issued on the current stream: run ``after`` once it lands.

@@ -382,7 +382,7 @@ class FSDPState:
             )
         shared = self.shared_comm
         comm = shared.get(self.info.device) if shared is not None else CommContext(self.info.device)
-        comm.limit = self.settings.collectives_in_flight
+        comm.set_limit(self.settings.collectives_in_flight)
         ctx = RootContext(self, states, comm)
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
@@ -668,9 +668,9 @@ class FSDPState:
         ctx = self.root_context()
         ctx.handle(Event.PRE_BACKWARD)
         with record_function(f"FSDP::pre_backward {self.fqn}"):
-            # Below 2 collectives in flight a reduce-scatter does not overlap this module's backward:
-            # its buffers (input, output, the backend's copy) die before our gradients are made.
-            if ctx.pending_reduce is not None and ctx.comm.limit < 2:
+            # CPU, below 2 in flight: the previous reduce-scatter's buffers (input, output, gloo's
+            # copy) die before this module's gradients are made. Streams overlap it instead.
+            if ctx.pending_reduce is not None and not ctx.comm.reduce_overlaps_compute:
                 ctx.finish_pending_reduce()
             if self.settings.unshard_in_backward:  # no-op if prefetched
                 self._unshard_groups(Reason.BACKWARD)
