@@ -10,7 +10,9 @@ accounting of what it holds (``live_buffers`` of every state and of the root: sh
 parameters, gradients, communication buffers) and the optimizer's state; for
 PyTorch's, what its public surface shows (the parameters registered at that moment, drawn as
 sharded though a computing block's are unsharded, their ``.grad``, the optimizer's state). The rest ("other") is activations, autograd's saved tensors and, for PyTorch's, its
-unsharded parameters and buffers, which it does not expose.
+unsharded parameters and buffers, which it does not expose. For ours it also prints how far the
+allocator is from the runtime's accounting plus the optimizer state and what autograd saved (a
+``saved_tensors_hooks`` count): what is left is the step's inputs, outputs and gradients in flight.
 
 Options: --model {wide,llama,deep-narrow} --dim D --layers L --batch B --seq-len S
          --param-dtype {fp32,bf16} --in-flight N (ours) --png FILE
@@ -23,6 +25,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 
 import bench_step  # installs the allocator referee before any model exists
 import torch
@@ -38,6 +41,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+Sized = dict  # storage id -> (category, bytes)
+
+
 def _bytes_by_category(storages: dict[int, tuple[str, int]]) -> dict[str, int]:
     out = dict.fromkeys(CATEGORIES, 0)
     for category, nbytes in storages.values():
@@ -45,7 +51,7 @@ def _bytes_by_category(storages: dict[int, tuple[str, int]]) -> dict[str, int]:
     return out
 
 
-def ours_categories(impl: bench_step.Impl) -> dict[str, int]:
+def ours_categories(impl: bench_step.Impl) -> Sized:
     """The runtime's own accounting of what it holds (``live_buffers``), plus the optimizer's state."""
     ctx = impl.model._get_fsdp_state().ctx
     sized: dict[int, tuple[str, int]] = {}
@@ -54,7 +60,7 @@ def ours_categories(impl: bench_step.Impl) -> dict[str, int]:
             storage = _local(t).untyped_storage()
             sized.setdefault(storage._cdata, (category, storage.nbytes()))
     _add_optimizer_state(impl.opt, sized)
-    return _bytes_by_category(sized)
+    return sized
 
 
 def _add_optimizer_state(opt: torch.optim.Optimizer, sized: dict[int, tuple[str, int]]) -> None:
@@ -65,7 +71,7 @@ def _add_optimizer_state(opt: torch.optim.Optimizer, sized: dict[int, tuple[str,
                 sized.setdefault(storage._cdata, ("optimizer_state", storage.nbytes()))
 
 
-def torch_categories(impl: bench_step.Impl) -> dict[str, int]:
+def torch_categories(impl: bench_step.Impl) -> Sized:
     """What PyTorch's fully_shard shows publicly: sharded parameters, their .grad, optimizer state."""
     sized: dict[int, tuple[str, int]] = {}
     for p in impl.model.parameters():
@@ -75,7 +81,30 @@ def torch_categories(impl: bench_step.Impl) -> dict[str, int]:
             g = _local(p.grad).untyped_storage()
             sized.setdefault(g._cdata, ("gradients", g.nbytes()))
     _add_optimizer_state(impl.opt, sized)
-    return _bytes_by_category(sized)
+    return sized
+
+
+class SavedActivations:
+    """What autograd saves for backward (weakly: a tensor counts while it lives), so a sample can
+    tell activations from memory nobody accounts for."""
+
+    def __init__(self) -> None:
+        self.saved: list[weakref.ref] = []
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.saved.append(weakref.ref(t))
+        return t
+
+    def bytes_beyond(self, sized: Sized) -> int:
+        seen, total = set(sized), 0
+        for ref in self.saved:
+            t = ref()
+            if t is not None and t.device.type == "cpu":
+                storage = _local(t).untyped_storage()
+                if storage._cdata not in seen:
+                    seen.add(storage._cdata)
+                    total += storage.nbytes()
+        return total
 
 
 def record_step(impl: bench_step.Impl, args: argparse.Namespace, blocks: list[nn.Module]) -> list[dict]:
@@ -84,11 +113,16 @@ def record_step(impl: bench_step.Impl, args: argparse.Namespace, blocks: list[nn
     samples: list[dict] = []
     phase = ["forward"]
 
+    saved = SavedActivations()
+
     def sample(label: str) -> None:
         live, peak = COUNTER.live(), COUNTER.peak()
-        cats = categorize(impl)
-        cats["other"] = max(live - sum(v for k, v in cats.items() if k != "other"), 0)
-        samples.append({"label": label, "phase": phase[0], "live": live, "peak": peak, "cats": cats})
+        sized = categorize(impl)
+        cats = _bytes_by_category(sized)
+        cats["other"] = max(live - sum(cats.values()), 0)
+        activations = saved.bytes_beyond(sized)
+        samples.append({"label": label, "phase": phase[0], "live": live, "peak": peak, "cats": cats,
+                        "activations": activations, "unexplained": cats["other"] - activations})
         COUNTER.reset_peak()
 
     handles = []
@@ -100,11 +134,13 @@ def record_step(impl: bench_step.Impl, args: argparse.Namespace, blocks: list[nn
     sample("start")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
-    if args.model == "llama":
-        x, y = bench_step.synthetic_batch(0, args.batch, args.seq_len, 1024)
-        loss = bench_step.loss_fn(impl.model(x.chunk(world)[rank]), y.chunk(world)[rank])
-    else:
-        loss = impl.model(torch.randn(args.batch, impl.width, generator=gen).chunk(world)[rank]).pow(2).mean()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        if args.model == "llama":
+            x, y = bench_step.synthetic_batch(0, args.batch, args.seq_len, 1024)
+            loss = bench_step.loss_fn(impl.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+        else:
+            x = torch.randn(args.batch, impl.width, generator=gen).chunk(world)[rank]
+            loss = impl.model(x).pow(2).mean()
     sample("loss")
     phase[0] = "backward"
     loss.backward()
@@ -178,6 +214,11 @@ def main() -> None:
             top = max(s["peak"] for s in results[name]) / 2**20
             print(f"{name}: peak {top:.1f} MiB over {len(results[name])} samples "
                   f"({time.perf_counter() - start:.2f} s)", flush=True)
+            if name.startswith("ours"):  # the runtime's accounting against the allocator
+                worst = max(results[name], key=lambda s: abs(s["unexplained"]))
+                print(f"  allocator - (runtime accounting + optimizer state + saved activations): at most "
+                      f"{worst['unexplained'] / 2**20:+.2f} MiB (at '{worst['label']}', where saved activations "
+                      f"are {worst['activations'] / 2**20:.2f} MiB)", flush=True)
         del impl, blocks
     if dist.get_rank() == 0 and args.png:
         title = f"{args.model} ({args.layers} x dim {args.dim}), {args.param_dtype}, world {dist.get_world_size()}, CPU/gloo"
