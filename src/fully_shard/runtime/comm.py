@@ -104,7 +104,7 @@ class CommContext:
     def settle(self, pending: Pending, after: Callable[[], None]) -> None:
         """A collective was just issued on the current stream: run ``after`` once it lands.
         Accelerator: queue it now (stream order puts it behind the collective) and record the event
-        waiters wait on. CPU: whoever completes the collective runs it (`complete`)."""
+        waiters wait on. CPU: whoever completes the collective runs it (`Pending.wait`)."""
         if self.uses_streams:
             after()
             pending.event = torch.accelerator.current_stream(self.device).record_event()
@@ -116,14 +116,14 @@ class CommContext:
         if pending.work is not None:
             self.in_flight.append(pending)
             if self.limit == 0:
-                complete(self.in_flight.popleft())
+                self.in_flight.popleft().wait()
 
     def make_room(self) -> None:
         """Before a collective is issued: complete the oldest until fewer than ``limit`` (one at
         least) are in flight, so the buffers alive at once are bounded by rule, not by timing."""
         in_flight, room = self.in_flight, max(self.limit, 1)
         while in_flight and (in_flight[0].done() or len(in_flight) >= room):
-            complete(in_flight.popleft())
+            in_flight.popleft().wait()
 
     @contextlib.contextmanager
     def on(self, stream: torch.Stream | None, after: torch.Event | None = None) -> Iterator[None]:
@@ -151,9 +151,3 @@ class CommContext:
         for o in self.observers:
             o.after(c)
         return work
-
-
-def complete(pending: Pending) -> None:
-    """Wait (dropping what the collective read and the backend's work, with which gloo frees its
-    staging copy), then run what needs the result. An all-gather's output stays for its copy-out."""
-    pending.wait()
