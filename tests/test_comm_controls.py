@@ -72,9 +72,12 @@ def _custom_comms() -> dict:
     for m in (ours, theirs, plain):
         _train(m)
     ag, rs = comms["ours"]
-    return {"vs_plain": max_abs_diff(ours, plain), "vs_torch": max_abs_diff(ours, theirs),
-            "ours": (ag.calls, ag.allocations, rs.calls, rs.allocations),
-            "theirs": (comms["theirs"][0].calls, comms["theirs"][1].calls)}
+    return {
+        "vs_plain": max_abs_diff(ours, plain),
+        "vs_torch": max_abs_diff(ours, theirs),
+        "ours": (ag.calls, ag.allocations, rs.calls, rs.allocations),
+        "theirs": (comms["theirs"][0].calls, comms["theirs"][1].calls),
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -100,6 +103,7 @@ def _all_reduce_hook() -> dict:
         shard_mlp(m, "nested", True, fn)
     calls = {"ours": 0, "theirs": 0}
     for m, tag in ((ours, "ours"), (theirs, "theirs")):
+
         def hook(output, tag=tag):
             calls[tag] += 1
             output.mul_(2.0)
@@ -205,4 +209,41 @@ def test_share_comm_ctx_between_pipeline_stages(ranks, world_size, shared):
     check(results, f"two stages, shared={shared} vs single process (float64)")
     for r in results:
         assert r["same_comm"] == shared and r["traced"], r
-        assert "already ran" in r["late_error"] and "call share_comm_ctx before the first forward" in r["late_error"], r
+        assert (
+            "already ran" in r["late_error"]
+            and "call share_comm_ctx before the first forward" in r["late_error"]
+        ), r
+
+
+def _shared_limit(stage2_limit: int) -> dict:
+    """Roots sharing a communication context share its in-flight limit: equal settings train,
+    different ones are refused when the second root starts, naming the fix."""
+    from fully_shard import fully_shard, share_comm_ctx
+
+    model = make_mlp()
+    stage1, stage2 = model[:2], model[2:]
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(stage1, mesh=cpu_mesh())
+    fully_shard(stage2, mesh=cpu_mesh())
+    share_comm_ctx([stage1, stage2])
+    stage1.set_collectives_in_flight(1)
+    stage2.set_collectives_in_flight(stage2_limit)
+    x, y = mlp_batch(0)
+    try:
+        ((stage2(stage1(x)) - y) ** 2).mean().backward()
+    except RuntimeError as e:
+        return {"error": str(e), "limit": None}
+    return {"error": "", "limit": stage1._get_fsdp_state().ctx.comm.limit}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_roots_sharing_a_comm_ctx_share_the_in_flight_limit(ranks, world_size):
+    for r in ranks(world_size).run(_shared_limit, 1):
+        assert r == {"error": "", "limit": 1}, r
+    for r in ranks(world_size).run(_shared_limit, 0):
+        assert (
+            "asks for set_collectives_in_flight(0), but the roots it shares a communication context"
+            in r["error"]
+        ), r
+        assert "with 1" in r["error"] and "same count on every root passed to share_comm_ctx" in r["error"], r

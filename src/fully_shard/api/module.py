@@ -182,7 +182,8 @@ class FSDPModule:
         bounds the communication buffers alive together. ``0`` (default): each completes where it
         is issued (least memory). ``1``: a backward all-gather prefetch overlaps compute; each
         collective completes before the next is issued. ``2``: a reduce-scatter also overlaps the
-        next module's backward. Accelerators overlap through streams whatever the setting.
+        next module's backward. Accelerators overlap through streams whatever the setting. Roots
+        that share a communication context (``share_comm_ctx``) share the limit: set it on each.
         docs/benchmarks.md measures the trade-off (peak memory, step time)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"set_collectives_in_flight expects a count >= 0, got {n!r}.")
@@ -339,7 +340,8 @@ class FSDPModule:
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """Let several roots (e.g. one rank's pipeline stages) share one communication context: the
-    streams, the CPU release worker and the trace. Call before their first forward."""
+    streams, the CPU collectives in flight (and their limit) and the trace. Call before their first
+    forward."""
     if not isinstance(modules, (list, tuple)):
         raise TypeError(
             f"share_comm_ctx expects a list of fully_shard root modules, got {type(modules).__name__}."

@@ -154,7 +154,7 @@ def collective_bytes(g: FSDPParamGroup) -> int:
     all-gather output and its reduce-scatter input (the unsharded gradients alive with their
     copy-in; on gloo, a collective's staging copy), plus its reduce-scatter output."""
     world = g.info.world_size
-    reduce = world * sum(p.where.layout.shard_numel * p.dtypes.reduce.itemsize for p in g.params)
+    reduce = world * sum(p.where.layout.shard_numel * p.dtypes.reduce.itemsize for p in g.trainable)
     return 2 * max(g.unsharded_bytes(), reduce) + reduce // world
 
 

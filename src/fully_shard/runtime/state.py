@@ -262,13 +262,22 @@ class SharedComm:
     def __init__(self) -> None:
         self.comm: Optional[CommContext] = None
 
-    def get(self, device: torch.device) -> CommContext:
+    def get(self, device: torch.device, limit: int, root: str) -> CommContext:
+        """The shared context; the first root to start sets its in-flight limit, the rest match it."""
         if self.comm is None:
             self.comm = CommContext(device)
+            self.comm.set_limit(limit)
         elif self.comm.device != device:
             raise RuntimeError(
                 f"share_comm_ctx: roots on {self.comm.device} and {device} cannot share streams. Fix: share "
                 "only among roots whose meshes are on the same device."
+            )
+        elif self.comm.limit != limit:
+            raise RuntimeError(
+                f"share_comm_ctx: {root} asks for set_collectives_in_flight({limit}), but the roots it "
+                f"shares a communication context with run with {self.comm.limit}, and they share one limit. "
+                "Fix: call "
+                "set_collectives_in_flight with the same count on every root passed to share_comm_ctx."
             )
         return self.comm
 
@@ -381,8 +390,12 @@ class FSDPState:
                 "give every fully_shard call a mesh on the same device type."
             )
         shared = self.shared_comm
-        comm = shared.get(self.info.device) if shared is not None else CommContext(self.info.device)
-        comm.set_limit(self.settings.collectives_in_flight)
+        limit = self.settings.collectives_in_flight
+        if shared is not None:
+            comm = shared.get(self.info.device, limit, class_name(self.modules[0]))
+        else:
+            comm = CommContext(self.info.device)
+            comm.set_limit(limit)
         ctx = RootContext(self, states, comm)
         for state in states:
             state._join(ctx, is_root=state is self, fqn=paths[state])
