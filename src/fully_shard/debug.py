@@ -127,7 +127,7 @@ class Trace:
             )
         )
         if self.memory is not None:
-            self.memory.snapshot(f"{phase} {op} {module}")
+            self.memory.snapshot(f"{phase} {op} {module}", op, nbytes)
 
     def select(
         self,

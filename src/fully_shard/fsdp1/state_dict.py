@@ -197,29 +197,10 @@ def optim_state_dict(
         raise ValueError(
             f"optim_state_dict: the optimizer holds {len(missing)} parameter(s) that are not the model's."
         )
-
-    def convert(value: Any) -> Any:
-        if isinstance(value, DTensor):
-            if kind is StateDictType.FULL_STATE_DICT:
-                value = value.full_tensor()
-            elif kind is StateDictType.LOCAL_STATE_DICT:
-                value = value.to_local()
-            elif config.offload_to_cpu:
-                return DTensor.from_local(
-                    value.to_local().cpu(),
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
-        if config.offload_to_cpu and isinstance(value, torch.Tensor):
-            value = value.cpu()
-        return value
-
     state = {}
     for index in sorted(raw["state"]):  # the same order on every rank: the gathers line up
-        state[names[id(params[index])]] = {k: convert(v) for k, v in raw["state"][index].items()}
+        entry = raw["state"][index]
+        state[names[id(params[index])]] = {k: _optim_value(v, kind, config) for k, v in entry.items()}
     groups = []
     for group in raw["param_groups"]:
         groups.append({**group, "params": [names[id(params[i])] for i in group["params"]]})
@@ -230,6 +211,28 @@ def optim_state_dict(
     ):
         return {}
     return {"state": state, "param_groups": groups}
+
+
+def _optim_value(value: Any, kind: StateDictType, config: OptimStateDictConfig) -> Any:
+    """One value of an optimizer state as a ``kind`` state dict holds it (a sharded DTensor gathered,
+    or its local shard), on the CPU if ``config`` says so."""
+    if isinstance(value, DTensor):
+        if kind is StateDictType.FULL_STATE_DICT:
+            value = value.full_tensor()
+        elif kind is StateDictType.LOCAL_STATE_DICT:
+            value = value.to_local()
+        elif config.offload_to_cpu:
+            return DTensor.from_local(
+                value.to_local().cpu(),
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+    if config.offload_to_cpu and isinstance(value, torch.Tensor):
+        value = value.cpu()
+    return value
 
 
 def optim_state_dict_to_load(

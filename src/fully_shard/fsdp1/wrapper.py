@@ -11,6 +11,7 @@ optimizer sees the original parameters as sharded DTensors, whatever ``use_orig_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
@@ -52,6 +53,50 @@ WRAPPED = "_fsdp_wrapped_module"
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
+@dataclasses.dataclass
+class _Arguments:
+    """The constructor's arguments that nested instances (the auto-wrap policy's) are built with too,
+    under the constructor's names; checked and converted to ours on creation."""
+
+    sharding_strategy: ShardingStrategy
+    cpu_offload: CPUOffload
+    backward_prefetch: Optional[BackwardPrefetch]
+    mixed_precision: Optional[MixedPrecision]
+    param_init_fn: Optional[Callable[[nn.Module], None]]
+    device_id: Union[int, torch.device, None]
+    sync_module_states: bool
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
+
+    def __post_init__(self) -> None:
+        self.sharding_strategy = (
+            as_ours(self.sharding_strategy, ShardingStrategy, "sharding_strategy")
+            or ShardingStrategy.FULL_SHARD
+        )
+        self.cpu_offload = as_ours(self.cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
+        self.backward_prefetch = as_ours(self.backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        mp = self.mixed_precision = as_ours(self.mixed_precision, MixedPrecision, "mixed_precision")
+        if mp is not None and mp.keep_low_precision_grads:
+            raise ValueError(
+                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is "
+                "not supported: reduced gradients are kept in the parameters' dtype for the optimizer. Fix: "
+                "drop keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep "
+                "the parameters themselves in low precision (model.to(torch.bfloat16))."
+            )
+
+    def nested_kwargs(self, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> dict[str, Any]:
+        """What a nested instance is built with unless the policy says otherwise: these arguments,
+        this instance's mesh and its ignored parameters."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {
+            "process_group": None,
+            **own,
+            "device_mesh": mesh,
+            "ignored_states": list(ignored_params) or None,
+        }
+
+
 class FullyShardedDataParallel(nn.Module):
     """FSDP1's ``FullyShardedDataParallel``, same arguments and defaults (PyTorch 2.13), on the
     per-parameter engine. See docs/migrating_from_fsdp1.md for how each argument maps."""
@@ -76,37 +121,69 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         # Every argument is checked before anything changes.
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it "
-                "once."
-            )
-        strategy = (
-            as_ours(sharding_strategy, ShardingStrategy, "sharding_strategy") or ShardingStrategy.FULL_SHARD
+        _check_module(module)
+        args = _Arguments(
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
         )
-        cpu_offload = as_ours(cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
-        backward_prefetch = as_ours(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        mp = as_ours(mixed_precision, MixedPrecision, "mixed_precision")
-        if mp is not None and mp.keep_low_precision_grads:
-            raise ValueError(
-                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is "
-                "not supported: reduced gradients are kept in the parameters' dtype for the optimizer. Fix: "
-                "drop keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep "
-                "the parameters themselves in low precision (model.to(torch.bfloat16))."
-            )
-        if ignored_modules is not None and ignored_states is not None:
-            raise ValueError(
-                "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass "
-                "ignored_states."
-            )
         ignored_mods, ignored_params = _ignored(ignored_modules, ignored_states)
         device = _device(device_id, module)
-        mesh = _mesh(strategy, process_group, device_mesh, device)
+        mesh = _mesh(args.sharding_strategy, process_group, device_mesh, device)
         super().__init__()
+        self._build(module, args, auto_wrap_policy, device, mesh, ignored_mods, ignored_params)
+
+    def _build(
+        self,
+        module: nn.Module,
+        args: _Arguments,
+        auto_wrap_policy: Any,
+        device: torch.device,
+        mesh: DeviceMesh,
+        ignored_mods: set[nn.Module],
+        ignored_params: set[nn.Parameter],
+    ) -> None:
+        """The constructor's work once every argument is checked: the nested instances first (bottom
+        up), then this one's module initialised, moved and sharded."""
+        self._init_attributes(args)
+        if auto_wrap_policy is not None:
+            root_kwargs = args.nested_kwargs(mesh, ignored_params)
+            _auto_wrap(
+                module, auto_wrap_policy, root_kwargs, args.mixed_precision, ignored_mods, ignored_params
+            )
+        _materialize(module, args.param_init_fn, device, ignored_mods)
+        if device.type != "cpu":
+            _to_device(module, device, ignored_params, ignored_mods)
+        if args.sync_module_states:
+            _broadcast_from_rank0(module, mesh, ignored_params, ignored_mods)
+        self._fsdp_wrapped_module = module
+        for m in module.modules():  # nested instances are not roots
+            if isinstance(m, FullyShardedDataParallel):
+                m._fsdp1_nested = True
+        mp = args.mixed_precision
+        if mp is not None and mp.buffer_dtype is not None:
+            self._fsdp1_buffer_dtypes = _cast_buffers(self, mp.buffer_dtype)
+        self._shard(args, mesh, ignored_params)
+        self._set_backward_prefetch(args.backward_prefetch)
+        # State dicts at any depth (a root inside a container too): names first, then values.
+        self._register_state_dict_hook(_strip_wrapped_prefix)
+        self._register_state_dict_hook(_convert_state_dict)
+        self._register_load_state_dict_pre_hook(_convert_loaded, with_module=True)
+        self._register_load_state_dict_pre_hook(_add_wrapped_prefix, with_module=True)
+
+    def _init_attributes(self, args: _Arguments) -> None:
+        """This instance's own state, set before any nested instance is built."""
         self._fsdp1_nested = False  # set when an enclosing FullyShardedDataParallel is built around this one
-        self._fsdp1_strategy = strategy
-        self._fsdp1_mp = mp
-        self._fsdp1_use_orig_params = use_orig_params
+        self._fsdp1_strategy = args.sharding_strategy
+        self._fsdp1_mp = args.mixed_precision
+        self._fsdp1_use_orig_params = args.use_orig_params
         self._fsdp1_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT,
             sd.default_config(StateDictType.FULL_STATE_DICT),
@@ -115,67 +192,21 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp1_comm_hook: Any = None
         # forward_prefetch: this instance all-gathers the one that ran after it in the first forward
         # (FSDP1's rule); the root records that order once (`_record_forward_order`).
-        self._fsdp1_forward_prefetch = bool(forward_prefetch)
+        self._fsdp1_forward_prefetch = bool(args.forward_prefetch)
         self._fsdp1_forward_order: Optional[list[FullyShardedDataParallel]] = None
         self._fsdp1_prefetch_set = False
         self._fsdp1_buffer_dtypes: dict[str, torch.dtype] = {}
-        if auto_wrap_policy is not None:
-            root_kwargs = dict(
-                process_group=None,
-                sharding_strategy=strategy,
-                cpu_offload=cpu_offload,
-                backward_prefetch=backward_prefetch,
-                mixed_precision=mp,
-                param_init_fn=param_init_fn,
-                device_id=device_id,
-                sync_module_states=sync_module_states,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
-                device_mesh=mesh,
-                ignored_states=list(ignored_params) or None,
-            )
-            ignored_ids = {id(p) for p in ignored_params}
-            chosen = targets_of(auto_wrap_policy, module, ignored_mods, ignored_ids, root_kwargs)
-            if mp is not None:  # FSDP1: modules of these classes get their own instance, in full precision
-                overridden = set()
-                for m in module.modules():
-                    if (
-                        m is not module
-                        and m not in ignored_mods
-                        and isinstance(m, tuple(mp._module_classes_to_ignore))
-                    ):
-                        chosen[m] = {**chosen.get(m, root_kwargs), "mixed_precision": None}
-                        _run_in_fp32(m)
-                        overridden.add(type(m).__name__)
-                if overridden:
-                    warnings.warn(
-                        "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "
-                        f"wrapped module has submodules of type: {sorted(overridden)}. These modules will be "
-                        "wrapped as separate FSDP instances with mixed precision disabled.",
-                        stacklevel=2,
-                    )
-            for kwargs in chosen.values():  # a policy that names a group of its own drops the inherited mesh
-                if kwargs.get("process_group") is not None:
-                    kwargs.pop("device_mesh", None)
-            _wrap_post_order(module, chosen)
-        _materialize(module, param_init_fn, device, ignored_mods)
-        if device.type != "cpu":
-            _to_device(module, device, ignored_params, ignored_mods)
-        if sync_module_states:
-            _broadcast_from_rank0(module, mesh, ignored_params, ignored_mods)
-        self._fsdp_wrapped_module = module
-        for m in module.modules():  # nested instances are not roots
-            if isinstance(m, FullyShardedDataParallel):
-                m._fsdp1_nested = True
-        if mp is not None and mp.buffer_dtype is not None:
-            self._fsdp1_buffer_dtypes = _cast_buffers(self, mp.buffer_dtype)
+
+    def _shard(self, args: _Arguments, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> None:
+        """The engine on this instance: ``replicate`` for NO_SHARD, else ``fully_shard``, with the
+        policies FSDP1's arguments map to."""
+        mp, strategy = args.mixed_precision, args.sharding_strategy
         policy = MixedPrecisionPolicy(
             param_dtype=mp.param_dtype if mp else None,
             reduce_dtype=mp.reduce_dtype if mp else None,
             cast_forward_inputs=False,  # FSDP1's input casting (root / every instance) happens in forward
         )
-        offload = CPUOffloadPolicy() if cpu_offload.offload_params else OffloadPolicy()
+        offload = CPUOffloadPolicy() if args.cpu_offload.offload_params else OffloadPolicy()
         if strategy is ShardingStrategy.NO_SHARD:
             replicate(
                 self,
@@ -196,6 +227,9 @@ class FullyShardedDataParallel(nn.Module):
                 offload_policy=offload,
                 ignored_params=ignored_params or None,
             )
+
+    def _set_backward_prefetch(self, backward_prefetch: Optional[BackwardPrefetch]) -> None:
+        """``None`` turns backward prefetching off; BACKWARD_POST runs as BACKWARD_PRE (the engine's own)."""
         if backward_prefetch is None:
             self.set_modules_to_backward_prefetch([])  # type: ignore[attr-defined]
         elif backward_prefetch is BackwardPrefetch.BACKWARD_POST:
@@ -203,13 +237,8 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel(backward_prefetch=BACKWARD_POST) runs as BACKWARD_PRE here: the "
                 "next module's all-gather is issued when this module's backward starts (results are the "
                 "same).",
-                stacklevel=2,
+                stacklevel=4,  # the constructor's caller
             )
-        # State dicts at any depth (a root inside a container too): names first, then values.
-        self._register_state_dict_hook(_strip_wrapped_prefix)
-        self._register_state_dict_hook(_convert_state_dict)
-        self._register_load_state_dict_pre_hook(_convert_loaded, with_module=True)
-        self._register_load_state_dict_pre_hook(_add_wrapped_prefix, with_module=True)
 
     # -- module plumbing --------------------------------------------------------------------------
 
@@ -310,27 +339,7 @@ class FullyShardedDataParallel(nn.Module):
         with_grads: bool = False,
     ) -> Iterator[None]:
         """The full parameters in place inside the block (FSDP1's semantics; see the docs)."""
-        if rank0_only and writeback:
-            raise ValueError(
-                "writeback=True and rank0_only=True is not supported, as model parameter shapes will be "
-                "different across ranks, and writing to them can lead to inconsistencies across ranks when "
-                "the context is exited."
-            )
-        roots = (
-            [module]
-            if isinstance(module, FullyShardedDataParallel)
-            else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
-        )
-        if not roots:
-            raise ValueError(
-                f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside."
-            )
-        if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
-            raise ValueError(
-                "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full "
-                "parameters stay on the device inside the block. Fix: for a CPU copy, use model.state_dict() "
-                "under state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
-            )
+        roots = _summon_roots(module, writeback, rank0_only, offload_to_cpu)
         with contextlib.ExitStack() as stack:
             for r in roots:
                 stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
@@ -520,6 +529,42 @@ class FullyShardedDataParallel(nn.Module):
                 state.update_settings(reduce_dtype=dtype)
 
 
+def _check_module(module: nn.Module) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError(
+            "FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it once."
+        )
+
+
+def _summon_roots(
+    module: nn.Module, writeback: bool, rank0_only: bool, offload_to_cpu: bool
+) -> list[FullyShardedDataParallel]:
+    """The instances ``summon_full_params(module, ...)`` gathers (``module`` itself, or the roots
+    under it), once its arguments are checked."""
+    if rank0_only and writeback:
+        raise ValueError(
+            "writeback=True and rank0_only=True is not supported, as model parameter shapes will be "
+            "different across ranks, and writing to them can lead to inconsistencies across ranks when "
+            "the context is exited."
+        )
+    roots = (
+        [module]
+        if isinstance(module, FullyShardedDataParallel)
+        else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
+    )
+    if not roots:
+        raise ValueError(
+            f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside."
+        )
+    if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
+        raise ValueError(
+            "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full "
+            "parameters stay on the device inside the block. Fix: for a CPU copy, use model.state_dict() "
+            "under state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
+        )
+    return roots
+
+
 def _model_settings(model: nn.Module) -> StateDictSettings:
     """The state-dict settings every instance under ``model`` shares (one `state_dict_type`)."""
     return sd.get_type(FullyShardedDataParallel.fsdp_modules(model))
@@ -605,6 +650,11 @@ def _add_wrapped_prefix(module: nn.Module, state_dict: dict[str, Any], prefix: s
 
 
 def _ignored(ignored_modules: Any, ignored_states: Any) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "Cannot pass both ignored_modules and ignored_states at the same time. Please just pass "
+            "ignored_states."
+        )
     mods: set[nn.Module] = set()
     params: set[nn.Parameter] = set()
     for item in list(ignored_modules or ()) + list(ignored_states or ()):
@@ -642,44 +692,58 @@ def _device(device_id: Any, module: nn.Module) -> torch.device:
 def _mesh(
     strategy: ShardingStrategy, process_group: Any, device_mesh: Optional[DeviceMesh], device: torch.device
 ) -> DeviceMesh:
-    hybrid = strategy in _HYBRID
+    """The mesh this instance shards over: ``device_mesh``, else one from ``process_group`` (a pair
+    of groups for HYBRID_SHARD), else one over the world (for HYBRID_SHARD, of nodes)."""
     if device_mesh is not None:
-        if process_group is not None:
-            raise ValueError(
-                "Cannot pass both process_group and device_mesh at the same time. Please just pass only one "
-                "of them."
-            )
-        if device_mesh.ndim != (2 if hybrid else 1):
-            raise ValueError(
-                f"sharding_strategy={strategy.name} needs a {'2-D (replicate, shard)' if hybrid else '1-D'} "
-                f"device_mesh, got a {device_mesh.ndim}-D one."
-            )
-        return device_mesh
+        return _checked_device_mesh(strategy, process_group, device_mesh)
     if not dist.is_initialized():
         raise RuntimeError(
             "FullyShardedDataParallel needs torch.distributed initialised (init_process_group) first."
         )
-    if hybrid:
-        if process_group is not None:
-            if not (isinstance(process_group, tuple) and len(process_group) == 2):
-                raise ValueError(
-                    f"sharding_strategy={strategy.name} takes process_group=(intra_node_group, "
-                    f"inter_node_group), got {process_group!r}."
-                )
-            return _mesh_from_groups(*process_group, device)
-        world = dist.get_world_size()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
-            torch.accelerator.device_count() if device.type != "cpu" else world
-        )
-        if world % local:
-            raise ValueError(
-                f"HYBRID_SHARD: the node size {local} does not divide the world size {world}; pass "
-                "device_mesh."
-            )
-        return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
+    if strategy in _HYBRID:
+        return _hybrid_mesh(strategy, process_group, device)
     if process_group is not None:
         return DeviceMesh.from_group(process_group, device.type)
     return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _checked_device_mesh(
+    strategy: ShardingStrategy, process_group: Any, device_mesh: DeviceMesh
+) -> DeviceMesh:
+    """``device_mesh`` as given, once checked: alone, and of the strategy's dims."""
+    hybrid = strategy in _HYBRID
+    if process_group is not None:
+        raise ValueError(
+            "Cannot pass both process_group and device_mesh at the same time. Please just pass only one "
+            "of them."
+        )
+    if device_mesh.ndim != (2 if hybrid else 1):
+        raise ValueError(
+            f"sharding_strategy={strategy.name} needs a {'2-D (replicate, shard)' if hybrid else '1-D'} "
+            f"device_mesh, got a {device_mesh.ndim}-D one."
+        )
+    return device_mesh
+
+
+def _hybrid_mesh(strategy: ShardingStrategy, process_group: Any, device: torch.device) -> DeviceMesh:
+    """HYBRID_SHARD's (replicate, shard) mesh: from FSDP1's pair of groups, else one shard group per
+    node (``LOCAL_WORLD_SIZE`` ranks, else this node's accelerators)."""
+    if process_group is not None:
+        if not (isinstance(process_group, tuple) and len(process_group) == 2):
+            raise ValueError(
+                f"sharding_strategy={strategy.name} takes process_group=(intra_node_group, "
+                f"inter_node_group), got {process_group!r}."
+            )
+        return _mesh_from_groups(*process_group, device)
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or (
+        torch.accelerator.device_count() if device.type != "cpu" else world
+    )
+    if world % local:
+        raise ValueError(
+            f"HYBRID_SHARD: the node size {local} does not divide the world size {world}; pass device_mesh."
+        )
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
 
 
 def _mesh_from_groups(intra: Any, inter: Any, device: torch.device) -> DeviceMesh:
@@ -693,6 +757,50 @@ def _mesh_from_groups(intra: Any, inter: Any, device: torch.device) -> DeviceMes
     return DeviceMesh.from_group(
         [inter, intra], device.type, mesh=torch.tensor(ordered), mesh_dim_names=("replicate", "shard")
     )
+
+
+def _auto_wrap(
+    module: nn.Module,
+    policy: Any,
+    root_kwargs: dict[str, Any],
+    mp: Optional[MixedPrecision],
+    ignored_mods: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+) -> None:
+    """Replace the submodules ``policy`` chooses with nested instances (bottom up), built with
+    ``root_kwargs`` unless the policy says otherwise."""
+    chosen = targets_of(policy, module, ignored_mods, {id(p) for p in ignored_params}, root_kwargs)
+    if mp is not None:  # FSDP1: modules of these classes get their own instance, in full precision
+        overridden = _keep_full_precision(module, mp, chosen, root_kwargs, ignored_mods)
+        if overridden:
+            warnings.warn(
+                "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "
+                f"wrapped module has submodules of type: {sorted(overridden)}. These modules will be "
+                "wrapped as separate FSDP instances with mixed precision disabled.",
+                stacklevel=4,  # the constructor's caller
+            )
+    for kwargs in chosen.values():  # a policy that names a group of its own drops the inherited mesh
+        if kwargs.get("process_group") is not None:
+            kwargs.pop("device_mesh", None)
+    _wrap_post_order(module, chosen)
+
+
+def _keep_full_precision(
+    module: nn.Module,
+    mp: MixedPrecision,
+    chosen: dict[nn.Module, dict[str, Any]],
+    root_kwargs: dict[str, Any],
+    ignored_mods: set[nn.Module],
+) -> set[str]:
+    """Choose each submodule of ``mp``'s ignored classes (BatchNorm) for an instance of its own
+    without mixed precision, computing in float32; return the names of their classes."""
+    overridden = set()
+    for m in module.modules():
+        if m is not module and m not in ignored_mods and isinstance(m, tuple(mp._module_classes_to_ignore)):
+            chosen[m] = {**chosen.get(m, root_kwargs), "mixed_precision": None}
+            _run_in_fp32(m)
+            overridden.add(type(m).__name__)
+    return overridden
 
 
 def _wrap_post_order(root: nn.Module, chosen: dict[nn.Module, dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ with `examples/plan_models.py`'s ``tp_shard``); DTensor's collectives are then l
 
 Options: --steps N (default 2: the reported step has optimizer state) --param-dtype {fp32,bf16}
          (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)) --optimizer {adamw,adam,sgd,none}
+         --backend {nccl,gloo} (whose staging copies count: plan/staging.py)
          --cluster PRESET --flops {N,measure}
          --recommend GIB (rank the usual settings at each mesh's world size: plan.recommend)
          --png PREFIX (a picture per mesh; needs matplotlib: pip install 'fully-shard[plot]')
@@ -31,12 +32,16 @@ import importlib.util
 import math
 import os
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .simulate import GiB, Plan, simulate
+from .staging import STAGED
 from .timing import PRESETS, StepTime
+
+if TYPE_CHECKING:
+    from .compute import ComputeRate
 
 DTYPES = {"long": torch.long, "int": torch.int32, "float": torch.float32, "bf16": torch.bfloat16}
 
@@ -80,6 +85,18 @@ def _gib(nbytes: int) -> str:
     return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.1e}"
 
 
+_CATEGORIES = (
+    "sharded_params",
+    "gradients",
+    "optimizer_state",
+    "unsharded_params",
+    "communication",
+    "buffers",
+    "activations",
+)
+_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
 def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
     """One row per plan: peak per rank, what is live at the peak point, bytes per step (and the
     estimated step time, when ``times`` are given)."""
@@ -95,37 +112,54 @@ def table(plans: list[Plan], times: list[StepTime] | None = None) -> str:
         head += " est. step ms | exposed comm ms |"
     rows = [head, "|" + "---|" * (14 + tp + (2 if times is not None else 0))]
     for i, plan in enumerate(plans):
-        cats = plan.peak_snapshot.by_category
-        moved = plan.bytes_per_step()
-        rows.append(
-            f"| {plan.world_size} | {'x'.join(map(str, plan.mesh_shape))} | {_gib(plan.peak_bytes)} | "
-            f"{_gib(plan.peak_snapshot.total)} | "
-            + " | ".join(
-                _gib(cats[k])
-                for k in (
-                    "sharded_params",
-                    "gradients",
-                    "optimizer_state",
-                    "unsharded_params",
-                    "communication",
-                    "buffers",
-                    "activations",
-                )
-            )
-            + " | "
-            + " | ".join(_gib(moved.get(op, 0)) for op in ("all_gather", "reduce_scatter", "all_reduce"))
-            + " |"
-            + (f" {_gib(sum(n for k, n in moved.items() if k.startswith('dtensor_')))} |" if tp else "")
-            + (
-                f" {times[i].step_s * 1e3:.3g} | {times[i].exposed_s * 1e3:.3g} |"
-                if times is not None
-                else ""
-            )
-        )
+        rows.append(_row(plan, times[i] if times is not None else None, tp))
     return "\n".join(rows)
 
 
+def _row(plan: Plan, time: StepTime | None, tp: bool) -> str:
+    """One plan's row of `table` (with a DTensor column if ``tp``, the step time if ``time``)."""
+    cats = plan.peak_snapshot.by_category
+    moved = plan.bytes_per_step()
+    cells = [str(plan.world_size), "x".join(map(str, plan.mesh_shape))]
+    cells += [_gib(plan.peak_bytes), _gib(plan.peak_snapshot.total)]
+    cells += [_gib(cats[k]) for k in _CATEGORIES]
+    cells += [_gib(moved.get(op, 0)) for op in _OPS]
+    if tp:
+        cells.append(_gib(sum(n for k, n in moved.items() if k.startswith("dtensor_"))))
+    if time is not None:
+        cells += [f"{time.step_s * 1e3:.3g}", f"{time.exposed_s * 1e3:.3g}"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    names, meshes, shape, flops = _checked(args)
+    cluster = args.cluster or f"h100-nvlink-ib400-{args.param_dtype}"
+    build = load_builder(args.builder)
+    shard_fn = load_builder(args.shard_fn) if args.shard_fn else None
+    inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
+    if args.recommend is not None:
+        recommend_table(args, build, inputs, meshes, names, shard_fn)
+        return
+    plans = _simulate_meshes(args, build, inputs, meshes, names, shard_fn)
+    priced = PRESETS[cluster]
+    if args.flops == "measure":
+        rate = _measure(build, inputs, args.param_dtype)
+        flops, priced = rate.flops, rate.on(priced)
+    times = [plan.estimate(priced, flops=flops) for plan in plans]
+    print(_summary(plans[0], shape, args, cluster, flops))
+    print(table(plans, times))
+    if args.png:
+        from .draw import draw
+
+        for plan in plans:
+            path = f"{args.png}-{'x'.join(map(str, plan.mesh_shape))}.png"
+            draw(plan, path)
+            print(f"wrote {path}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: what to simulate here, how to price and show it (`_add_report_options`)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("builder")
     p.add_argument("--input-shape", required=True, help="one rank's batch, e.g. 1x2048")
@@ -142,6 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
+    p.add_argument(
+        "--backend",
+        default="nccl",
+        choices=sorted(STAGED),
+        help="whose staging copies count at each collective: nccl (none), gloo (CPU runs)",
+    )
+    _add_report_options(p)
+    return p
+
+
+def _add_report_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cluster",
         default=None,
@@ -164,7 +209,13 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="write PREFIX-<mesh>.png per mesh: memory timeline and collectives (matplotlib)",
     )
-    args = p.parse_args(argv)
+
+
+def _checked(
+    args: argparse.Namespace,
+) -> tuple[tuple[str, ...] | None, list[tuple[int, ...]], tuple[int, ...], float | None]:
+    """Every option checked before any simulation runs; returns the mesh dim names, the meshes,
+    the input shape and the ``--flops`` rate (None: the preset's, or measured)."""
     if args.shard_fn and args.param_dtype != "fp32":
         raise SystemExit(
             "--param-dtype sets the default shard_fn's MixedPrecisionPolicy; with --shard-fn, pass mp_policy "
@@ -173,9 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     names = tuple(args.mesh_dim_names.split(",")) if args.mesh_dim_names else None
     if names is not None and args.shard_fn is None:
         raise SystemExit("--mesh-dim-names needs --shard-fn (a function (model, mesh) that uses the names)")
-    meshes = [
-        parse_mesh(m, len(names) if names else None) for m in args.mesh
-    ]  # all checked before any simulation runs
+    meshes = [parse_mesh(m, len(names) if names else None) for m in args.mesh]
     try:
         shape = tuple(int(n) for n in args.input_shape.lower().split("x"))
     except ValueError:
@@ -189,27 +238,37 @@ def main(argv: list[str] | None = None) -> None:
             "--recommend GIB takes a positive budget, prices each setting on --cluster (it tries both "
             "parameter dtypes), and draws nothing: leave out --flops, --png and --param-dtype"
         )
-    flops: float | None = None
-    if args.flops is not None and args.flops != "measure":
-        try:
-            flops = float(args.flops)
-        except ValueError:
-            raise SystemExit(f"--flops takes FLOP/s (e.g. 4e14) or 'measure', got {args.flops!r}") from None
-        if flops <= 0:
-            raise SystemExit(f"--flops must be positive, got {args.flops!r}")
-    cluster = args.cluster or f"h100-nvlink-ib400-{args.param_dtype}"
-    build = load_builder(args.builder)
-    shard_fn = load_builder(args.shard_fn) if args.shard_fn else None
-    inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
-    if args.recommend is not None:
-        recommend_table(args, build, inputs, meshes, names, shard_fn)
-        return
+    return names, meshes, shape, _parse_flops(args.flops)
+
+
+def _parse_flops(text: str | None) -> float | None:
+    """``--flops`` as FLOP/s; None when not given or 'measure'."""
+    if text is None or text == "measure":
+        return None
+    try:
+        flops = float(text)
+    except ValueError:
+        raise SystemExit(f"--flops takes FLOP/s (e.g. 4e14) or 'measure', got {text!r}") from None
+    if flops <= 0:
+        raise SystemExit(f"--flops must be positive, got {text!r}")
+    return flops
+
+
+def _simulate_meshes(
+    args: argparse.Namespace,
+    build: Callable[[], Any],
+    inputs: torch.Tensor,
+    meshes: list[tuple[int, ...]],
+    names: tuple[str, ...] | None,
+    shard_fn: Callable[..., Any] | None,
+) -> list[Plan]:
+    """One plan per mesh, in the parameter dtype, with the optimizer and steps of ``args``."""
     mp = None
     if args.param_dtype == "bf16":
         from ..layouts.policy import MixedPrecisionPolicy
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    plans = [
+    return [
         simulate(
             build,
             inputs,
@@ -219,39 +278,40 @@ def main(argv: list[str] | None = None) -> None:
             mp_policy=mp,
             steps=args.steps,
             optimizer=None if args.optimizer == "none" else args.optimizer,
+            backend=args.backend,
         )
         for m in meshes
     ]
-    if args.flops == "measure":
-        from .compute import measure_flops
 
-        rate = measure_flops(build, inputs, dtype=torch.bfloat16 if args.param_dtype == "bf16" else None)
-        flops = rate.flops
-        print(
-            f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms = "
-            f"{rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms = "
-            f"{rate.optimizer_elements_per_s:.3g} elements/s; copies {rate.memory_bytes_per_s / 1e9:.1f} GB/s"
-        )
-    priced = PRESETS[cluster] if args.flops != "measure" else rate.on(PRESETS[cluster])
-    times = [plan.estimate(priced, flops=flops) for plan in plans]
+
+def _measure(build: Callable[[], Any], inputs: torch.Tensor, param_dtype: str) -> ComputeRate:
+    """``--flops measure``: the model's rates on this machine (`measure_flops`), printed."""
+    from .compute import measure_flops
+
+    rate = measure_flops(build, inputs, dtype=torch.bfloat16 if param_dtype == "bf16" else None)
+    print(
+        f"measured on this machine ({rate.device}): forward + backward {rate.seconds * 1e3:.1f} ms = "
+        f"{rate.flops / 1e12:.3f} TFLOP/s; AdamW step {rate.optimizer_seconds * 1e3:.1f} ms = "
+        f"{rate.optimizer_elements_per_s:.3g} elements/s; copies {rate.memory_bytes_per_s / 1e9:.1f} GB/s"
+    )
+    return rate
+
+
+def _summary(
+    plan: Plan, shape: tuple[int, ...], args: argparse.Namespace, cluster: str, flops: float | None
+) -> str:
+    """The paragraph above the table: the model, the batch, the settings, how bytes and time are
+    counted."""
     rate_text = (
         f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
     )
-    print(
-        f"{plans[0].parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; params "
+    return (
+        f"{plan.parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; params "
         f"{args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} "
         "steps. 'peak' is the op-level peak; the categories split the timeline point with the most bytes "
         f"('at the peak point'); the difference is one op's temporaries. Time: {cluster}, compute at "
         f"{rate_text}.\n"
     )
-    print(table(plans, times))
-    if args.png:
-        from .draw import draw
-
-        for plan in plans:
-            path = f"{args.png}-{'x'.join(map(str, plan.mesh_shape))}.png"
-            draw(plan, path)
-            print(f"wrote {path}")
 
 
 def recommend_table(

@@ -64,7 +64,31 @@ def measure_flops(
     step after each (on fp32 parameters, as a mixed-precision run's shards are), after one warm-up.
     It allocates the whole model, its gradients and activations: for a model that does not fit here,
     measure a builder with fewer layers of the same shape (the rate carries over)."""
-    from .simulate import _tokens, call
+    tokens = _checked_tokens(sample_inputs, repeats)
+    where = torch.device(device) if device is not None else _device()
+    bench = _Bench.build(build_model, sample_inputs, where, dtype, loss_fn)
+    bench.one()  # warm-up: allocator, kernels' first-call costs, the optimizer's state
+    runs = [bench.one() for _ in range(repeats)]
+    seconds = statistics.median(r[0] for r in runs)
+    step = statistics.median(r[1] for r in runs)
+    n = sum(p.numel() for p in bench.model.parameters())
+    elements = sum(p.numel() for p in bench.stepped)
+    return ComputeRate(
+        6 * n * tokens / seconds,
+        seconds,
+        n,
+        tokens,
+        str(where),
+        dtype,
+        step,
+        elements / step,
+        _copy_rate(where, bench.sync, repeats),
+    )
+
+
+def _checked_tokens(sample_inputs: Any, repeats: int) -> int:
+    """The tokens in one rank's batch, once ``measure_flops``' arguments are checked."""
+    from .simulate import _tokens
 
     if repeats < 1:
         raise ValueError(f"measure_flops(repeats={repeats}): time at least one pass.")
@@ -75,67 +99,77 @@ def measure_flops(
             "whose last dim is the hidden size). Fix: pass one rank's batch as a tensor, tuple or dict of "
             "tensors."
         )
-    where = torch.device(device) if device is not None else _device()
-    with torch.device(where):
-        model = build_model()
-    if dtype is not None:
-        model.to(dtype)
-    cast = dtype if dtype is not None and dtype.is_floating_point else None
-    inputs = tree_map_only(
-        torch.Tensor,
-        lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype),
-        sample_inputs,
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    # The optimizer steps the shards in the model's own dtype (fp32 here) whatever the compute
-    # dtype (MixedPrecisionPolicy keeps them so): time it on fp32 copies when computing in another.
-    fp32 = dtype in (None, torch.float32)
-    stepped = params if fp32 else [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
+    return tokens
 
-    def sync() -> None:
-        if where.type != "cpu":
-            torch.accelerator.synchronize(where)
 
-    optimizer = torch.optim.AdamW(stepped, lr=1e-4)
+@dataclass
+class _Bench:
+    """The model built here with its inputs, and AdamW over what it steps: ``one`` times a forward
+    + backward and an optimizer step."""
 
-    def one() -> tuple[float, float]:
-        sync()
+    model: nn.Module
+    inputs: Any
+    where: torch.device
+    params: list[nn.Parameter]
+    stepped: list[torch.Tensor]  # ``params``, or fp32 copies of them
+    optimizer: torch.optim.Optimizer
+    loss_fn: Optional[Callable[[Any], torch.Tensor]]
+
+    @classmethod
+    def build(
+        cls,
+        build_model: Callable[[], nn.Module],
+        sample_inputs: Any,
+        where: torch.device,
+        dtype: Optional[torch.dtype],
+        loss_fn: Optional[Callable[[Any], torch.Tensor]],
+    ) -> _Bench:
+        with torch.device(where):
+            model = build_model()
+        if dtype is not None:
+            model.to(dtype)
+        cast = dtype if dtype is not None and dtype.is_floating_point else None
+        inputs = tree_map_only(
+            torch.Tensor,
+            lambda t: t.to(where, dtype=cast if cast is not None and t.is_floating_point() else t.dtype),
+            sample_inputs,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        # The optimizer steps the shards in the model's own dtype (fp32 here) whatever the compute
+        # dtype (MixedPrecisionPolicy keeps them so): time it on fp32 copies when computing in another.
+        fp32 = dtype in (None, torch.float32)
+        stepped = (
+            params if fp32 else [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
+        )
+        return cls(model, inputs, where, params, stepped, torch.optim.AdamW(stepped, lr=1e-4), loss_fn)
+
+    def sync(self) -> None:
+        if self.where.type != "cpu":
+            torch.accelerator.synchronize(self.where)
+
+    def one(self) -> tuple[float, float]:
+        """Seconds of one forward + backward, and of the optimizer step after it."""
+        from .simulate import call
+
+        self.sync()
         start = time.perf_counter()
-        out = call(model, inputs)
-        loss = loss_fn(out) if loss_fn is not None else out.float().sum()
+        out = call(self.model, self.inputs)
+        loss = self.loss_fn(out) if self.loss_fn is not None else out.float().sum()
         loss.backward()
-        sync()
+        self.sync()
         middle = time.perf_counter()
-        if stepped is not params:
-            for copy, p in zip(stepped, params):
+        if self.stepped is not self.params:
+            for copy, p in zip(self.stepped, self.params):
                 copy.grad = p.grad.float() if p.grad is not None else None
-            sync()
+            self.sync()
             middle = time.perf_counter()
-        optimizer.step()
-        sync()
+        self.optimizer.step()
+        self.sync()
         end = time.perf_counter()
-        optimizer.zero_grad()
-        for p in params:
+        self.optimizer.zero_grad()
+        for p in self.params:
             p.grad = None
         return middle - start, end - middle
-
-    one()  # warm-up: allocator, kernels' first-call costs, the optimizer's state
-    runs = [one() for _ in range(repeats)]
-    seconds = statistics.median(r[0] for r in runs)
-    step = statistics.median(r[1] for r in runs)
-    n = sum(p.numel() for p in model.parameters())
-    elements = sum(p.numel() for p in stepped)
-    return ComputeRate(
-        6 * n * tokens / seconds,
-        seconds,
-        n,
-        tokens,
-        str(where),
-        dtype,
-        step,
-        elements / step,
-        _copy_rate(where, sync, repeats),
-    )
 
 
 def _copy_rate(

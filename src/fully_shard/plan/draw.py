@@ -42,6 +42,16 @@ def draw(plan: Any, path: str, title: str = "") -> None:
         plan = from_trace(plan)
     plt = _pyplot()
     fig, (mem, comm) = plt.subplots(2, 1, figsize=(12, 7), gridspec_kw={"height_ratios": [3, 2]})
+    _draw_memory(mem, plan, title)
+    _draw_collectives(comm, plan)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _draw_memory(mem: Any, plan: Plan, title: str) -> None:
+    """The live bytes at each point of the step, stacked by category, with the peak (and the host's
+    bytes, if any)."""
     xs = list(range(len(plan.timeline)))
     bottoms = [0.0] * len(xs)
     for cat in CATEGORIES:
@@ -74,6 +84,10 @@ def draw(plan: Any, path: str, title: str = "") -> None:
         title or f"one training step, world {plan.world_size} (mesh {'x'.join(map(str, plan.mesh_shape))})"
     )
     mem.legend(fontsize=8, loc="upper left", ncols=2)
+
+
+def _draw_collectives(comm: Any, plan: Plan) -> None:
+    """The bytes each collective of the step moves, in order."""
     colors = {"all_gather": "#4c72b0", "reduce_scatter": "#dd8452", "all_reduce": "#55a868"}
     comm.bar(
         range(len(plan.collectives)),
@@ -89,6 +103,3 @@ def draw(plan: Any, path: str, title: str = "") -> None:
     comm.set_ylabel("GiB per collective")
     totals = ", ".join(f"{op.replace('_', '-')} {n / GiB:.2f} GiB" for op, n in plan.bytes_per_step().items())
     comm.set_title(f"collectives of the step ({totals})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

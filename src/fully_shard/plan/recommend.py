@@ -8,7 +8,7 @@ import functools
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -73,7 +73,7 @@ def recommend(
     cluster: Union[str, Cluster] = "h100-nvlink-ib400-bf16",
     shard_sizes: Optional[Sequence[int]] = None,
     param_dtypes: Sequence[str] = ("fp32", "bf16"),
-    bucket_sizes: Sequence[Optional[int]] = (None, 2**28),
+    bucket_sizes: Sequence[Optional[int]] = (None, 2**30),
     offload: Sequence[bool] = (False, True),
     int8_all_gather: Sequence[bool] = (False,),
     candidates: Sequence[Candidate] = (),
@@ -99,20 +99,24 @@ def recommend(
     rest, smallest first. Each option is one simulation (the defaults make 5 per layout and dtype,
     7 for FSDP beyond a node: 44 for 512 ranks of 8-GPU nodes, about 90 s for a 1B model on a
     2-core CPU); narrow an axis to go faster."""
+    search = _Search(build_model, sample_inputs, _preset(cluster), bytes_per_rank, optimizer, steps)
+    grid = _Grid(world_size, shard_sizes, param_dtypes, bucket_sizes, offload, int8_all_gather)
+    _check_candidates(candidates, world_size)
+    options = [search.run(setting) for setting in grid.settings(search.cluster.gpus_per_node)]
+    return _ranked(options + [search.run_candidate(c) for c in candidates])
+
+
+def _preset(cluster: Union[str, Cluster]) -> Cluster:
     if isinstance(cluster, str):
         if cluster not in PRESETS:
             raise ValueError(
                 f"unknown cluster preset {cluster!r}; presets: {sorted(PRESETS)}, or pass a timing.Cluster."
             )
-        cluster = PRESETS[cluster]
-    unknown = [d for d in param_dtypes if d not in ("fp32", "bf16")]
-    if unknown or not param_dtypes:
-        raise ValueError(f"recommend(param_dtypes={tuple(param_dtypes)!r}): choose from 'fp32' and 'bf16'.")
-    if not bucket_sizes or not offload or not int8_all_gather:
-        raise ValueError(
-            "recommend: bucket_sizes, offload and int8_all_gather each need at least one value (e.g. "
-            "(None,), (False,) and (False,))."
-        )
+        return PRESETS[cluster]
+    return cluster
+
+
+def _check_candidates(candidates: Sequence[Candidate], world_size: int) -> None:
     for c in candidates:
         if not c.label or math.prod(c.mesh_shape) != world_size or c.param_dtype not in ("fp32", "bf16"):
             raise ValueError(
@@ -120,82 +124,135 @@ def recommend(
                 f"world_size={world_size} and param_dtype {c.param_dtype!r}. Fix: a label, a mesh of "
                 "world_size ranks, 'fp32' or 'bf16'."
             )
-    node = cluster.gpus_per_node
-    sizes = shard_sizes if shard_sizes is not None else [node * k for k in (1, 2, 4)]
-    layouts: list[tuple[int, ...]] = [(world_size,)]
-    layouts += [(world_size // s, s) for s in sizes if 1 < s < world_size and world_size % s == 0]
-    from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    policies = {
-        "fp32": None,
-        "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    }
-    options = []
 
-    def priced(plan: Plan, dtype: str) -> StepTime:
-        rate = cluster.flops if dtype == "bf16" else cluster.flops / 8
-        return plan.estimate(dataclasses.replace(cluster, flops=rate))
+class _Setting(NamedTuple):
+    """One combination of `_Grid`'s axes."""
 
-    for mesh in layouts:
-        shard = mesh[-1]
-        reshards: list[Union[bool, int]] = [True, False] + (
-            [node] if len(mesh) == 1 and shard > node and shard % node == 0 else []
-        )
-        for reshard in reshards:
-            for dtype in param_dtypes:
-                for off, int8 in itertools.product(dict.fromkeys(offload), dict.fromkeys(int8_all_gather)):
-                    buckets = list(dict.fromkeys(bucket_sizes)) if reshard is True and not off else [None]
+    mesh_shape: tuple[int, ...]
+    reshard_after_forward: Union[bool, int]
+    param_dtype: str
+    bucket_bytes: Optional[int]
+    offload: bool
+    int8_all_gather: bool
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """The axes of `recommend`'s settings (its arguments of the same names), checked."""
+
+    world_size: int
+    shard_sizes: Optional[Sequence[int]]
+    param_dtypes: Sequence[str]
+    bucket_sizes: Sequence[Optional[int]]
+    offload: Sequence[bool]
+    int8_all_gather: Sequence[bool]
+
+    def __post_init__(self) -> None:
+        unknown = [d for d in self.param_dtypes if d not in ("fp32", "bf16")]
+        if unknown or not self.param_dtypes:
+            raise ValueError(
+                f"recommend(param_dtypes={tuple(self.param_dtypes)!r}): choose from 'fp32' and 'bf16'."
+            )
+        if not self.bucket_sizes or not self.offload or not self.int8_all_gather:
+            raise ValueError(
+                "recommend: bucket_sizes, offload and int8_all_gather each need at least one value (e.g. "
+                "(None,), (False,) and (False,))."
+            )
+
+    def layouts(self, node: int) -> list[tuple[int, ...]]:
+        """FSDP over the world, then HSDP for each shard size that divides it (default: one node,
+        2 and 4 nodes of ``node`` ranks)."""
+        world = self.world_size
+        sizes = self.shard_sizes if self.shard_sizes is not None else [node * k for k in (1, 2, 4)]
+        return [(world,)] + [(world // s, s) for s in sizes if 1 < s < world and world % s == 0]
+
+    def settings(self, node: int) -> Iterator[_Setting]:
+        """Every combination, in the order `recommend` simulates them; buckets only where the
+        schedule follows them (resharding after forward, not offloaded)."""
+        for mesh in self.layouts(node):
+            shard = mesh[-1]
+            reshards: list[Union[bool, int]] = [True, False] + (
+                [node] if len(mesh) == 1 and shard > node and shard % node == 0 else []
+            )
+            for reshard, dtype in itertools.product(reshards, self.param_dtypes):
+                for off, int8 in itertools.product(
+                    dict.fromkeys(self.offload), dict.fromkeys(self.int8_all_gather)
+                ):
+                    buckets = (
+                        list(dict.fromkeys(self.bucket_sizes)) if reshard is True and not off else [None]
+                    )
                     for bucket in buckets:
-                        shard_fn = functools.partial(
-                            _shard,
-                            mp_policy=policies[dtype],
-                            reshard_after_forward=reshard,
-                            offload_policy=CPUOffloadPolicy() if off else None,
-                            bucket_bytes=bucket,
-                            int8=int8,
-                        )
-                        plan = simulate(
-                            build_model,
-                            sample_inputs,
-                            mesh_shape=mesh,
-                            shard_fn=shard_fn,
-                            optimizer=optimizer,
-                            steps=steps,
-                        )
-                        options.append(
-                            Option(
-                                mesh,
-                                reshard,
-                                dtype,
-                                plan,
-                                priced(plan, dtype),
-                                plan.fits(bytes_per_rank),
-                                bucket,
-                                off,
-                                int8,
-                            )
-                        )
-    for c in candidates:
+                        yield _Setting(mesh, reshard, dtype, bucket, off, int8)
+
+
+@dataclass(frozen=True)
+class _Search:
+    """What every simulation of one `recommend` call shares, and each one simulated as an `Option`."""
+
+    build_model: Callable[[], nn.Module]
+    sample_inputs: Any
+    cluster: Cluster
+    bytes_per_rank: int
+    optimizer: Union[str, Callable, None]
+    steps: int
+
+    def run(self, s: _Setting) -> Option:
+        """One of the usual settings, with ``default_shard_fn``."""
+        from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard_fn = functools.partial(
+            _shard,
+            mp_policy=bf16 if s.param_dtype == "bf16" else None,
+            reshard_after_forward=s.reshard_after_forward,
+            offload_policy=CPUOffloadPolicy() if s.offload else None,
+            bucket_bytes=s.bucket_bytes,
+            int8=s.int8_all_gather,
+        )
         plan = simulate(
-            build_model,
-            sample_inputs,
+            self.build_model,
+            self.sample_inputs,
+            mesh_shape=s.mesh_shape,
+            shard_fn=shard_fn,
+            optimizer=self.optimizer,
+            steps=self.steps,
+        )
+        time, fits = self._priced(plan, s.param_dtype), plan.fits(self.bytes_per_rank)
+        return Option(
+            s.mesh_shape,
+            s.reshard_after_forward,
+            s.param_dtype,
+            plan,
+            time,
+            fits,
+            bucket_bytes=s.bucket_bytes,
+            offload=s.offload,
+            int8_all_gather=s.int8_all_gather,
+        )
+
+    def run_candidate(self, c: Candidate) -> Option:
+        """Your own setting, with its ``shard_fn``."""
+        plan = simulate(
+            self.build_model,
+            self.sample_inputs,
             mesh_shape=c.mesh_shape,
             mesh_dim_names=c.mesh_dim_names,
             shard_fn=c.shard_fn,
-            optimizer=optimizer,
-            steps=steps,
+            optimizer=self.optimizer,
+            steps=self.steps,
         )
-        options.append(
-            Option(
-                tuple(c.mesh_shape),
-                None,
-                c.param_dtype,
-                plan,
-                priced(plan, c.param_dtype),
-                plan.fits(bytes_per_rank),
-                label=c.label,
-            )
-        )
+        time, fits = self._priced(plan, c.param_dtype), plan.fits(self.bytes_per_rank)
+        return Option(tuple(c.mesh_shape), None, c.param_dtype, plan, time, fits, label=c.label)
+
+    def _priced(self, plan: Plan, dtype: str) -> StepTime:
+        """The step time at the cluster's rate for ``dtype`` (fp32 at 1/8 of bf16's)."""
+        rate = self.cluster.flops if dtype == "bf16" else self.cluster.flops / 8
+        return plan.estimate(dataclasses.replace(self.cluster, flops=rate))
+
+
+def _ranked(options: list[Option]) -> list[Option]:
+    """The options that fit first, fastest first; then the rest, smallest first."""
     fitting = sorted((o for o in options if o.fits), key=lambda o: o.time.step_s)
     rest = sorted((o for o in options if not o.fits), key=lambda o: o.plan.peak_bytes)
     return fitting + rest

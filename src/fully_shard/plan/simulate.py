@@ -7,9 +7,10 @@ traces it) and this rank's live tensor bytes over the step (`memory.LiveBytes`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from ..api.module import engine_state
 from ..debug import CollectiveRecord, trace
 from ..layouts.mesh import SIMULATING
 from .attention import FusedAttentionOnMeta
+from .staging import staging
 from ..tools.memory import Snapshot, _local
 
 if TYPE_CHECKING:
@@ -179,6 +181,7 @@ def simulate(
     mp_policy: Any = None,
     steps: int = 2,
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    backend: str = "nccl",
 ) -> Plan:
     """Plan one training step at world size ``prod(mesh_shape)`` (1-D: FSDP; 2-D: HSDP as
     ``(replicate, shard)``) as rank 0 sees it.
@@ -187,10 +190,45 @@ def simulate(
     ``fully_shard`` (default: `default_shard_fn`, with ``mp_policy``); ``sample_inputs`` (one
     rank's batch: a tensor, a tuple of positional arguments, or a dict of keyword arguments) is
     moved to the meta device; the loss is ``loss_fn(output)`` (default: the output's sum). Runs
-    ``steps`` steps (forward, backward, optimizer step) and reports the last (the default 2: the
-    optimizer state exists in the reported step, as in training). Needs a process
-    without a process group (it makes a fake one and removes it after).
-    """
+    ``steps`` steps and reports the last (by default the second: optimizer state exists, as in
+    training). ``backend``: whose staging copies count at each collective (`staging.STAGED`). Needs
+    a process without a process group (it makes a fake one and removes it after)."""
+    shape = _checked_mesh(mesh_shape, mesh_dim_names, shard_fn, steps)
+    staging(backend)  # an unknown backend is refused before any work
+    with _fake_world(shape, mesh_dim_names) as mesh:
+        model, n_params = _built_on_meta(build_model, mesh, shard_fn, mp_policy)
+        opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
+        with FusedAttentionOnMeta():  # attention as the devices run it (attention.py)
+            inputs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs)
+            return measure(
+                model,
+                inputs,
+                opt,
+                steps=steps,
+                loss_fn=loss_fn,
+                mesh_shape=shape,
+                parameters=n_params,
+                backend=backend,
+            )
+
+
+def _built_on_meta(build_model: Callable[[], nn.Module], mesh: Any, shard_fn: Any, mp_policy: Any) -> tuple:
+    """The model built on the meta device and sharded (by ``shard_fn``, else `default_shard_fn`),
+    with its parameter count before sharding."""
+    with torch.device("meta"):
+        model = build_model()
+    n_params = sum(p.numel() for p in model.parameters())
+    if shard_fn is None:
+        default_shard_fn(model, mesh, mp_policy)
+    else:
+        shard_fn(model, mesh)
+    return model, n_params
+
+
+def _checked_mesh(
+    mesh_shape: Sequence[int], names: Optional[Sequence[str]], shard_fn: Any, steps: int
+) -> tuple[int, ...]:
+    """``simulate``'s arguments, checked before any work; the mesh shape as ints."""
     if dist.is_initialized():
         raise RuntimeError(
             "fully_shard.plan.simulate runs on a fake process group of the planned size, and this process "
@@ -199,9 +237,6 @@ def simulate(
         )
     if steps < 1:
         raise ValueError(f"simulate(steps={steps}): run at least one step.")
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-    from torch.distributed.device_mesh import init_device_mesh
-
     shape = tuple(int(n) for n in mesh_shape)
     if not shape or min(shape) < 1 or (shard_fn is None and len(shape) > 2):
         raise ValueError(
@@ -210,36 +245,22 @@ def simulate(
             "them in mesh_dim_names and pass a shard_fn that slices the mesh (e.g. parallelize_module over "
             "mesh['tp'], fully_shard over mesh['dp'])."
         )
-    world = math.prod(shape)
+    if names is not None and len(names) != len(shape):
+        raise ValueError(f"simulate: {len(names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}.")
+    return shape
+
+
+@contextlib.contextmanager
+def _fake_world(shape: tuple[int, ...], names: Optional[Sequence[str]]) -> Iterator[Any]:
+    """Rank 0 of PyTorch's fake process group of ``prod(shape)`` ranks, and its mesh; removed after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from torch.distributed.device_mesh import init_device_mesh
+
     token = SIMULATING.set(True)
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
-            raise ValueError(
-                f"simulate: {len(mesh_dim_names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}."
-            )
-        names = (
-            tuple(mesh_dim_names) if mesh_dim_names else (("replicate", "shard") if len(shape) == 2 else None)
-        )
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        with torch.device("meta"):
-            model = build_model()
-        n_params = sum(p.numel() for p in model.parameters())
-        if shard_fn is None:
-            default_shard_fn(model, mesh, mp_policy)
-        else:
-            shard_fn(model, mesh)
-        opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-        with FusedAttentionOnMeta():  # attention as the devices run it (attention.py)
-            return measure(
-                model,
-                tree_map_only(torch.Tensor, lambda t: t.to("meta"), sample_inputs),
-                opt,
-                steps=steps,
-                loss_fn=loss_fn,
-                mesh_shape=shape,
-                parameters=n_params,
-            )
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(shape))
+        default = ("replicate", "shard") if len(shape) == 2 else None
+        yield init_device_mesh("cpu", shape, mesh_dim_names=tuple(names) if names else default)
     finally:
         try:
             if dist.is_initialized():
@@ -257,11 +278,13 @@ def measure(
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
     mesh_shape: Optional[Sequence[int]] = None,
     parameters: Optional[int] = None,
+    backend: Optional[str] = None,
 ) -> Plan:
     """Run ``steps`` training steps of a sharded ``model`` on this rank's ``inputs`` (forward,
     ``loss_fn(output)`` or its sum, backward, ``optimizer`` step) and return the last one as a
     `Plan`: a real run measured exactly as `simulate` measures a simulated one (live tensor bytes
-    on the model's device, the collectives it issued)."""
+    on the model's device, the collectives it issued). ``backend``: also count that backend's staging
+    copies at each collective (`staging.STAGED`; a real run's own are not seen by the counter)."""
     root = engine_state(model)
     if root is None:
         raise ValueError(
@@ -270,27 +293,36 @@ def measure(
         )
     ctx = root.root_context()  # lazy init first, outside the counting modes
     with trace(dtensor=True, memory=True, optimizers=[optimizer] if optimizer is not None else []) as t:
+        t.memory.staging = staging(backend) if backend is not None else None
         ctx.attach_active_observers()  # the model is counted from here
         for _ in range(steps):
-            t.memory.new_step()
-            t.memory.snapshot("step start")
-            output = call(model, inputs)
-            t.memory.snapshot("forward end")
-            loss = loss_fn(output) if loss_fn is not None else output.float().sum()
-            loss.backward()
-            del output, loss
-            t.memory.snapshot("backward end")
-            if optimizer is not None:
-                optimizer.step()
-                t.memory.snapshot("optimizer step")
-                optimizer.zero_grad()
-            t.memory.snapshot("step end")
+            _counted_step(t.memory, model, inputs, optimizer, loss_fn)
     plan = from_trace(t, step=t.step)
     plan.parameters = parameters if parameters is not None else sum(p.numel() for p in model.parameters())
     plan.tokens = _tokens(inputs)
     if mesh_shape is not None:
         plan.mesh_shape = tuple(int(x) for x in mesh_shape)
     return plan
+
+
+def _counted_step(
+    memory: Any, model: nn.Module, inputs: Any, optimizer: Optional[torch.optim.Optimizer], loss_fn: Any
+) -> None:
+    """One training step, snapshotted at its phase boundaries (and, by the trace, at each collective)."""
+    memory.new_step()
+    memory.snapshot("step start")
+    output = call(model, inputs)
+    memory.snapshot("forward end")
+    loss = loss_fn(output) if loss_fn is not None else output.float().sum()
+    del output  # as training loops do (torchtitan: ``del pred``): autograd keeps what it needs
+    loss.backward()
+    del loss
+    memory.snapshot("backward end")
+    if optimizer is not None:
+        optimizer.step()
+        memory.snapshot("optimizer step")
+        optimizer.zero_grad()
+    memory.snapshot("step end")
 
 
 def from_trace(t: Any, step: Optional[int] = None) -> Plan:

@@ -149,32 +149,11 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
         id(r): collective_seconds(r.op, r.nbytes, r.group_size, cluster, r.rank_span)
         for r in plan.collectives
     }
-    # Offloaded shards go to the device before their all-gather and come back (as gradients) after
-    # their reduce-scatter, on the way of that collective.
-    host_copies = 0.0
-    for r in plan.collectives:
-        moved = sum(plan.module_offload_bytes.get(m if m != "<root>" else "", 0) for m in r.module.split("+"))
-        if moved and r.op in ("all_gather", "reduce_scatter") and not r.phase.startswith("dtensor_"):
-            copy = cluster.host.latency_s + moved / cluster.host.bytes_per_s
-            cost[id(r)] += copy
-            host_copies += copy
+    _add_host_copies(plan, cluster, cost)
     host_optimizer = plan.offloaded_elements / cluster.host_optimizer_elements_per_s
     optimizer = plan.device_elements / cluster.optimizer_elements_per_s
-    # DTensor's collectives (tensor parallel) block the compute that needs them: they count as
-    # their unit's compute, forward or backward.
-    tp_fwd = dict.fromkeys(fwd, 0.0)
-    tp_bwd = 0.0
-    for r in plan.collectives:
-        if r.phase == "dtensor_forward":
-            unit = _unit(r.module, fwd)
-            tp_fwd[unit] = tp_fwd.get(unit, 0.0) + cost[id(r)]
-        elif r.phase == "dtensor_backward":
-            tp_bwd += cost[id(r)]
+    tp_fwd, tp_bwd = _tensor_parallel_seconds(plan.collectives, cost, fwd)
     work = {m: fwd.get(m, 0.0) + tp_fwd.get(m, 0.0) for m in {*fwd, *tp_fwd}}
-
-    def members(label: str) -> list[str]:
-        return [m if m != "<root>" else "" for m in label.split("+")]
-
     fsdp = [r for r in plan.collectives if not r.phase.startswith("dtensor_")]
     forward = [r for r in fsdp if r.phase in ("forward", "forward_prefetch") and r.op == "all_gather"]
     backward = [r for r in fsdp if r.phase not in ("forward", "forward_prefetch")]
@@ -185,19 +164,66 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
         for r in fsdp
         if r.op in ("all_gather", "reduce_scatter")
     }
-    # Forward: module i computes while the next all-gather runs. A module whose parameters are on
-    # several meshes has an all-gather per mesh: its compute counts once.
+    f_time = _forward_seconds(forward, cost, copies, work)
+    b_compute = 2 * sum(fwd.values()) + tp_bwd + sum(copies.get(id(r), 0.0) for r in backward)
+    b_time = _backward_seconds(backward, cost, b_compute)
+    total_comm = sum(cost.values())
+    step = f_time + b_time + optimizer + host_optimizer
+    compute_total = 3 * sum(fwd.values())
+    copy_total = sum(copies.values())
+    exposed = max(0.0, f_time + b_time - compute_total - copy_total)
+    return StepTime(step, compute_total, total_comm, exposed, host_optimizer, optimizer, copy_total)
+
+
+def _members(label: str) -> list[str]:
+    """The modules of a collective's label ("a+b" when bucketed; "" is the root)."""
+    return [m if m != "<root>" else "" for m in label.split("+")]
+
+
+def _add_host_copies(plan: PlanView, cluster: Cluster, cost: dict[int, float]) -> None:
+    """Offloaded shards go to the device before their all-gather and come back (as gradients) after
+    their reduce-scatter, on the way of that collective: their copies are added to its ``cost``."""
+    for r in plan.collectives:
+        moved = sum(plan.module_offload_bytes.get(m, 0) for m in _members(r.module))
+        if moved and r.op in ("all_gather", "reduce_scatter") and not r.phase.startswith("dtensor_"):
+            cost[id(r)] += cluster.host.latency_s + moved / cluster.host.bytes_per_s
+
+
+def _tensor_parallel_seconds(
+    collectives: list[Any], cost: dict[int, float], fwd: dict[str, float]
+) -> tuple[dict[str, float], float]:
+    """DTensor's collectives (tensor parallel) block the compute that needs them: they count as
+    their unit's compute, forward (per unit) or backward (in all)."""
+    tp_fwd = dict.fromkeys(fwd, 0.0)
+    tp_bwd = 0.0
+    for r in collectives:
+        if r.phase == "dtensor_forward":
+            unit = _unit(r.module, fwd)
+            tp_fwd[unit] = tp_fwd.get(unit, 0.0) + cost[id(r)]
+        elif r.phase == "dtensor_backward":
+            tp_bwd += cost[id(r)]
+    return tp_fwd, tp_bwd
+
+
+def _forward_seconds(
+    forward: list[Any], cost: dict[int, float], copies: dict[int, float], work: dict[str, float]
+) -> float:
+    """Forward: module i computes while the next all-gather runs. A module whose parameters are on
+    several meshes has an all-gather per mesh: its compute counts once."""
     f_time = cost[id(forward[0])] if forward else 0.0
     counted: set[str] = set()
     for i, r in enumerate(forward):
         nxt = cost[id(forward[i + 1])] if i + 1 < len(forward) else 0.0
-        new = [m for m in members(r.module) if m not in counted]
+        new = [m for m in _members(r.module) if m not in counted]
         counted.update(new)
         f_time += max(sum(work.get(m, 0.0) for m in new) + copies[id(r)], nxt)
     f_time += sum(work[m] for m in work if m not in counted)  # modules without a collective of their own
-    # Backward, in the order the collectives were issued: each module's compute overlaps the
-    # communication issued while it runs (the next prefetch, the previous module's reductions).
-    b_compute = 2 * sum(fwd.values()) + tp_bwd + sum(copies.get(id(r), 0.0) for r in backward)
+    return f_time
+
+
+def _backward_seconds(backward: list[Any], cost: dict[int, float], compute: float) -> float:
+    """Backward, in the order the collectives were issued: each module's compute overlaps the
+    communication issued while it runs (the next prefetch, the previous module's reductions)."""
     comm = sum(cost[id(r)] for r in backward)
     first = (
         cost[id(backward[0])] if backward and backward[0].op == "all_gather" else 0.0
@@ -205,10 +231,4 @@ def estimate(plan: PlanView, cluster: Cluster, tokens: int, flops: Optional[floa
     last = (
         cost[id(backward[-1])] if len(backward) > 1 and backward[-1].op != "all_gather" else 0.0
     )  # after it
-    b_time = max(b_compute, comm - first - last) + first + last
-    total_comm = sum(cost.values())
-    step = f_time + b_time + optimizer + host_optimizer
-    compute_total = 3 * sum(fwd.values())
-    copy_total = sum(copies.values())
-    exposed = max(0.0, f_time + b_time - compute_total - copy_total)
-    return StepTime(step, compute_total, total_comm, exposed, host_optimizer, optimizer, copy_total)
+    return max(compute, comm - first - last) + first + last

@@ -171,13 +171,17 @@ class LiveBytes(TorchDispatchMode):
         self._orig_resize = None
         return super().__exit__(*exc)
 
-    def snapshot(self, label: str) -> None:
+    def snapshot(self, label: str, staging: int = 0) -> None:
+        """Live bytes now by category; ``staging``: bytes a collective backend holds besides (counted
+        as "communication", in the peak too)."""
         known = self.categories() if self.categories is not None else {}
         split = dict.fromkeys(CATEGORIES, 0)
         with self._lock:
-            sizes, total, host = list(self.sizes.items()), self.current, self.host_current
+            sizes, total, host = list(self.sizes.items()), self.current + staging, self.host_current
+            self.peak = max(self.peak, total)
         for key, nbytes in sizes:
             split[known.get(key, "activations")] += nbytes
+        split["communication"] += staging
         self.timeline.append(Snapshot(label, total, split, host))
 
 
@@ -204,6 +208,8 @@ class TraceMemory:
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
         self.optimizers = list(optimizers)
+        # (op, bytes) -> bytes the collective backend stages while it runs (`plan.staging`); none by default
+        self.staging: Optional[Callable[[str, int], int]] = None
         self.states: list[Any] = []
         self.mesh_shape: tuple[int, ...] = ()
         self.counter = LiveBytes(
@@ -221,8 +227,10 @@ class TraceMemory:
         self.states += new
         track_model(self.counter, new, self.optimizers)
 
-    def snapshot(self, label: str) -> None:
-        self.counter.snapshot(label)
+    def snapshot(self, label: str, op: str = "", nbytes: int = 0) -> None:
+        """Live bytes now; at a collective (``op`` of ``nbytes``), with what the backend stages."""
+        staged = self.staging(op, nbytes) if self.staging is not None and op else 0
+        self.counter.snapshot(label, staged)
 
     def new_step(self) -> None:
         """Forget the timeline and peaks so far (a step's own)."""
