@@ -26,8 +26,30 @@ ours with ``set_collectives_in_flight(N)``; ``--bucket-bytes N`` (repeatable) on
 (replicate, shard) mesh; ``--finite-check`` / ``--schedule-check`` turn those checks on for ours
 (compare with a run without to read their cost).
 
+With ``--model llama`` a tokens/s column: global batch x seq_len / median step time.
+
+On a GPU (``--device cuda``; CPU/gloo is the default): NCCL, each rank on the device LOCAL_RANK,
+the model built there, meshes on it, DDP with ``device_ids``; a step's clock starts and stops on a
+synchronized device. The memory column is the device's caching allocator instead of
+``benchmarks/alloc`` (which counts CPU storages only): ``max_memory_allocated()`` in a step (peak
+stats reset before it) minus ``memory_allocated()`` before the model was built, and an extra column,
+the reserved peak (``memory_stats()["reserved_bytes.all.peak"]``) minus what was reserved then (the
+cache is emptied before each build): what the process takes from the device, fragmentation
+included. Both are read through ``torch.accelerator`` (the same statistics as ``torch.cuda``'s
+calls of those names). The table of issue #22's GPU section (a 1.17B-parameter Llama in bf16, ours
+vs PyTorch's ``fully_shard``; run both):
+
+    torchrun --nproc-per-node 1 benchmarks/bench_step.py --device cuda --model llama --dim 2048 --layers 22 \\
+        --heads 16 --vocab 32000 --seq-len 2048 --batch 4 --param-dtype bf16 --out gpu-world1.md
+    torchrun --nproc-per-node 2 benchmarks/bench_step.py --device cuda --model llama --dim 2048 --layers 22 \\
+        --heads 16 --vocab 32000 --seq-len 2048 --batch 4 --param-dtype bf16 --out gpu-world2.md
+
+The timed rounds keep every implementation alive at once (about 19 GB of fp32 parameters, gradients
+and AdamW state each at world 1, plus one step's activations): if world 1 does not fit the card,
+halve ``--batch`` (and say so next to the numbers).
+
 Options: --model {llama,wide,deep-narrow} --unbucketed --hsdp --rounds R --steps-per-round K --warmup W --dim D --layers L
-         --batch B --seq-len S --out FILE --param-dtype {fp32,bf16}
+         --batch B --seq-len S --out FILE --param-dtype {fp32,bf16} --device {cpu,cuda} --vocab V --heads H
 """
 
 from __future__ import annotations
@@ -46,7 +68,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import alloc  # noqa: E402
 
-COUNTER = alloc.install()  # before any tensor of a model exists
+
+def _cpu_referee_optional() -> bool:
+    """``--device`` names an accelerator: its own allocator is the referee there, so a missing
+    ``benchmarks/alloc`` (no C++ compiler) is not fatal. On CPU it is."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    return pre.parse_known_args()[0].device != "cpu"
+
+
+try:
+    COUNTER: alloc.Counter | None = alloc.install()  # before any tensor of a model exists
+except (RuntimeError, OSError) as error:
+    if not _cpu_referee_optional():
+        raise
+    COUNTER = None
+    print(f"bench_step.py: no CPU allocator referee ({error}); the device's allocator is the referee",
+          file=sys.stderr, flush=True)
 
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn
@@ -57,12 +95,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
 from teardown import shutdown  # noqa: E402
 
+DEFAULT_VOCAB, DEFAULT_HEADS = 1024, 4  # the Llama's; scripts whose args lack --vocab / --heads get these
+
 
 class Impl:
-    def __init__(self, name: str, model: nn.Module, kind: str) -> None:
+    def __init__(self, name: str, model: nn.Module, kind: str, device: torch.device | str = "cpu") -> None:
         self.name = name
         self.model = model
         self.kind = kind
+        self.device = torch.device(device)  # where its batches go
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         self.times: list[float] = []
         self.host_times: list[float] = []  # CPU time of the Python thread (our hooks, autograd, optimizer)
@@ -70,11 +111,12 @@ class Impl:
     def step(self, step: int, args: argparse.Namespace) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         if self.kind == "llama":
-            x, y = synthetic_batch(step, args.batch, args.seq_len, 1024)
-            loss = loss_fn(self.model(x.chunk(world)[rank]), y.chunk(world)[rank])
+            x, y = synthetic_batch(step, args.batch, args.seq_len, getattr(args, "vocab", DEFAULT_VOCAB))
+            x, y = x.chunk(world)[rank].to(self.device), y.chunk(world)[rank].to(self.device)
+            loss = loss_fn(self.model(x), y)
         else:  # wide / deep-narrow: a regression on random inputs
             gen = torch.Generator().manual_seed(step)
-            x = torch.randn(args.batch, self.width, generator=gen).chunk(world)[rank]
+            x = torch.randn(args.batch, self.width, generator=gen).chunk(world)[rank].to(self.device)
             loss = self.model(x).pow(2).mean()
         loss.backward()
         self.opt.step()
@@ -97,12 +139,30 @@ class Residual(nn.Module):
         return x + torch.relu(self.lin(x))
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    """The device ``args.device`` names (cpu where args have none), at the current index on an accelerator."""
+    kind = getattr(args, "device", "cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.accelerator.current_device_index())
+
+
 def make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn.Module]]:
-    """The model and the blocks each get their own fully_shard call (then the root)."""
+    """The model and the blocks each get their own fully_shard call (then the root). Built on the
+    accelerator with ``--device``; on CPU under no device context (the planner builds it on meta)."""
+    device = device_of(args)
+    if device.type != "cpu":
+        with torch.device(device):
+            return _make_model(kind, args)
+    return _make_model(kind, args)
+
+
+def _make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn.Module]]:
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = LlamaConfig(vocab_size=1024, dim=args.dim, n_layers=args.layers, n_heads=4,
-                          hidden_dim=int(args.dim * 8 / 3), max_seq_len=args.seq_len)
+        cfg = LlamaConfig(vocab_size=getattr(args, "vocab", DEFAULT_VOCAB), dim=args.dim, n_layers=args.layers,
+                          n_heads=getattr(args, "heads", DEFAULT_HEADS), hidden_dim=int(args.dim * 8 / 3),
+                          max_seq_len=args.seq_len)
         model = Llama(cfg)
         return model, list(model.layers)
     if kind == "wide":  # few large layers: memory per collective dominates
@@ -119,11 +179,11 @@ PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 def build(name: str, args: argparse.Namespace) -> Impl:
     model, blocks = make_model(args.model, args)
-    world = dist.get_world_size()
+    world, device = dist.get_world_size(), device_of(args)
     if args.hsdp:  # (replicate, shard): 2 replicas of world / 2 shards each
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
     dtype = PARAM_DTYPES[args.param_dtype]
     if name.startswith("ours"):
         from fully_shard import MixedPrecisionPolicy, fully_shard
@@ -149,10 +209,13 @@ def build(name: str, args: argparse.Namespace) -> Impl:
             torch_fully_shard(block, mesh=mesh, mp_policy=torch_mp)
         torch_fully_shard(model, mesh=mesh, mp_policy=torch_mp)
     elif name == "ddp":
-        model = nn.parallel.DistributedDataParallel(model)
+        if device.type == "cpu":
+            model = nn.parallel.DistributedDataParallel(model)
+        else:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     else:
         raise ValueError(name)
-    return Impl(name, model, args.model)
+    return Impl(name, model, args.model, device)
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -172,14 +235,69 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_peaks(impl: Impl, args: argparse.Namespace, before_model: int, samples: int = 3) -> list[int]:
-    """The allocator's peak in each of ``samples`` steps, above what was alive before the model."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on CPU)."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+class DeviceMemory:
+    """An accelerator's caching allocator as the referee, with ``alloc.Counter``'s interface plus
+    the reserved bytes. Each reading waits for the device first, so a step's kernels and the frees
+    they hold back are in it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def live(self) -> int:
+        synchronize(self.device)
+        return torch.accelerator.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        synchronize(self.device)
+        return torch.accelerator.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        synchronize(self.device)
+        torch.accelerator.reset_peak_memory_stats(self.device)
+
+    def reserved(self) -> int:
+        return torch.accelerator.memory_reserved(self.device)
+
+    def reserved_peak(self) -> int:
+        """``memory_stats()["reserved_bytes.all.peak"]``."""
+        synchronize(self.device)
+        return torch.accelerator.max_memory_reserved(self.device)
+
+    def empty_cache(self) -> None:
+        """Give cached blocks back, so what one build reserved does not count in the next's peak."""
+        gc.collect()
+        synchronize(self.device)
+        torch.accelerator.empty_cache()
+
+
+def referee(device: torch.device) -> alloc.Counter | DeviceMemory:
+    """Who counts memory on ``device``: the counting CPU allocator, or the accelerator's own."""
+    if device.type == "cpu":
+        if COUNTER is None:
+            raise RuntimeError("the CPU allocator referee (benchmarks/alloc) is not installed")
+        return COUNTER
+    return DeviceMemory(device)
+
+
+def step_peaks(impl: Impl, args: argparse.Namespace, before_model: int, samples: int = 3,
+               reserved: list[int] | None = None) -> list[int]:
+    """The allocator's peak in each of ``samples`` steps, above what was alive before the model
+    (on an accelerator: ``max_memory_allocated``; ``reserved`` gets each step's reserved peak)."""
+    counter = referee(impl.device)
     peaks = []
     for step in range(samples):
         gc.collect()
-        COUNTER.reset_peak()
+        counter.reset_peak()
         impl.step(step, args)
-        peaks.append(COUNTER.peak() - before_model)
+        peaks.append(counter.peak() - before_model)
+        if reserved is not None:
+            reserved.append(counter.reserved_peak())
     return peaks
 
 
@@ -193,32 +311,49 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
     return counter.nbytes, counter.count
 
 
-def measure_memory(names: list[str], args: argparse.Namespace) -> tuple[dict, dict]:
+def measure_memory(names: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
     """Per implementation: every measured step's allocator peak (``args.memory_repeats`` fresh
-    builds, a rotating order, one implementation alive at a time) and (bytes, collectives) per step."""
+    builds, a rotating order, one implementation alive at a time), (bytes, collectives) per step,
+    and on an accelerator every step's reserved peak above what was reserved before the build."""
+    counter = referee(device_of(args))
+    on_device = isinstance(counter, DeviceMemory)
     peaks: dict[str, list[int]] = {name: [] for name in names}
+    reserved: dict[str, list[int]] = {name: [] for name in names} if on_device else {}
     comm: dict[str, tuple[int, int]] = {}
     for repeat in range(args.memory_repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for name in order:
             gc.collect()
-            before_model = COUNTER.live()
+            if on_device:
+                counter.empty_cache()
+            before_reserved = counter.reserved() if on_device else 0
+            before_model = counter.live()
             impl = build(name, args)
             impl.step(0, args)  # warm: optimizer state exists, lazy init done
             impl.step(1, args)
-            peaks[name] += step_peaks(impl, args, before_model)
+            raw: list[int] | None = [] if on_device else None
+            peaks[name] += step_peaks(impl, args, before_model, reserved=raw)
+            if on_device:
+                reserved[name] += [r - before_reserved for r in raw]
             if name not in comm:
                 comm[name] = comm_bytes(impl, args)
             del impl
-    return peaks, comm
+    if on_device:
+        counter.empty_cache()  # the timed rounds start from an empty cache too
+    return peaks, comm, reserved
 
 
 def timed(impl: Impl, fn: Callable[[], None]) -> None:
+    """Time ``fn`` from a synchronized device to a synchronized device; the host CPU time stops
+    before the wait (a spinning synchronize would count as host work)."""
     dist.barrier()
+    synchronize(impl.device)
     start, host = time.perf_counter(), time.thread_time()
     fn()
-    impl.host_times.append(time.thread_time() - host)
+    host = time.thread_time() - host
+    synchronize(impl.device)
     impl.times.append(time.perf_counter() - start)
+    impl.host_times.append(host)
 
 
 def main() -> None:
@@ -246,12 +381,18 @@ def main() -> None:
     p.add_argument("--schedule-check", action="store_true", help="ours with the schedule check on: its cost")
     p.add_argument("--param-dtype", choices=sorted(PARAM_DTYPES), default="fp32",
                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) for both FSDPs; DDP is left out")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: NCCL, one GPU per rank (LOCAL_RANK), memory from the device's caching allocator")
+    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="llama's vocabulary size")
+    p.add_argument("--heads", type=int, default=DEFAULT_HEADS, help="llama's attention heads (must divide --dim)")
     args = p.parse_args()
     defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
     args.dim = args.dim if args.dim is not None else defaults[0]
     args.layers = args.layers if args.layers is not None else defaults[1]
+    if args.model == "llama" and (args.dim % args.heads or (args.dim // args.heads) % 2):
+        raise SystemExit(f"--heads {args.heads} must divide --dim {args.dim} into an even head size (rotary pairs)")
 
-    dist.init_process_group("gloo")
+    device = init_distributed(args.device)
     if args.schedule_check:
         from fully_shard.debug import set_schedule_check
 
@@ -268,7 +409,7 @@ def main() -> None:
     if args.hsdp and (world < 4 or world % 2):
         raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 
-    memory, comm = measure_memory(names, args)
+    memory, comm, reserved = measure_memory(names, args)
 
     impls = [build(name, args) for name in names]
     for impl in impls:
@@ -291,43 +432,110 @@ def main() -> None:
         host[impl.name] = max(statistics.median(g[1]) for g in gathered)
     peaks: list = [None] * world
     dist.all_gather_object(peaks, memory)
+    reserved_peaks: list = [None] * world
+    dist.all_gather_object(reserved_peaks, reserved)
 
     if rank == 0:
-        ours = medians["ours"]
-        shape = {"llama": f"Llama dim {args.dim}, {args.layers} blocks, vocab 1024, global batch {args.batch}x{args.seq_len}",
-                 "wide": f"{args.layers} x Linear({args.dim}, {args.dim}), global batch {args.batch}",
-                 "deep-narrow": f"{args.layers} blocks of x + relu(Linear({args.dim}, {args.dim})(x)), global batch {args.batch}"}[args.model]
-        lines = [
-            f"world {world}{' as HSDP (2 replicas x ' + str(world // 2) + ' shards)' if args.hsdp else ''}, CPU/gloo, "
-            f"{args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
-            f"{args.steps_per_round} steps; memory: allocator peak per rank, max over ranks, median [min-max] of "
-            f"{args.memory_repeats} builds x 3 steps; torch {torch.__version__}",
-            "",
-            "| implementation | median step (ms) [min-max] | ours / this | host CPU ms/step | peak MiB per rank (allocator) [min-max] | ours / this | collectives / step | comm MiB / rank / step |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        worst = {n: [max(vals) for vals in zip(*(pk[n] for pk in peaks))] for n in names}  # max over ranks
-        mib = {n: [b / 2**20 for b in worst[n]] for n in names}
-        for name in names:
-            lo, hi = spans[name]
-            med = statistics.median(mib[name])
-            lines.append(
-                f"| {name} | {medians[name] * 1e3:.2f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}] | {ours / medians[name]:.3f} | "
-                f"{host[name] * 1e3:.2f} | {med:.1f} [{min(mib[name]):.1f}-{max(mib[name]):.1f}] | "
-                f"{statistics.median(mib['ours']) / med:.3f} | {comm[name][1] if name != 'ddp' else '(in C++)'} | "
-                f"{comm[name][0] / 2**20:.2f} |"
-            )
-        emit("\n".join(lines), args.out)
+        table, rows = report(names, args, device, world, medians, spans, host, peaks, reserved_peaks, comm)
+        emit(table, args.out)
         if args.json:
-            rows = {n: {"step_ms": medians[n] * 1e3, "peak_mib": statistics.median(mib[n]),
-                        "collectives": comm[n][1]} for n in names if n != "ddp"}
             with open(args.json, "w") as f:
                 from fully_shard.runtime.settings import DEFAULT_BUCKET_BYTES
 
-                json.dump({"model": args.model, "world": world, "rows": rows,
+                json.dump({"model": args.model, "world": world, "device": device.type, "rows": rows,
                            "default_bucket_bytes": DEFAULT_BUCKET_BYTES}, f, indent=1)
 
     shutdown()
+
+
+def init_distributed(kind: str) -> torch.device:
+    """The process group and this rank's device: gloo on CPU; on an accelerator the device
+    LOCAL_RANK made current and its default backend (NCCL for cuda) bound to it."""
+    if kind == "cpu":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or accelerator.type != kind:
+        raise SystemExit(f"--device {kind}: no such accelerator here (found {accelerator})")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.accelerator.device_count():
+        raise SystemExit(f"LOCAL_RANK {local_rank}: only {torch.accelerator.device_count()} {kind} devices")
+    torch.accelerator.set_device_index(local_rank)
+    device = torch.device(kind, local_rank)
+    dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device)
+    return device
+
+
+def llama_params(args: argparse.Namespace) -> int:
+    """The Llama's parameter count (tied embedding once), built on the meta device."""
+    with torch.device("meta"):
+        model, _ = make_model("llama", argparse.Namespace(**{**vars(args), "device": "cpu"}))
+    return sum(p.numel() for p in model.parameters())
+
+
+def report(names: list[str], args: argparse.Namespace, device: torch.device, world: int, medians: dict,
+           spans: dict, host: dict, peaks: list, reserved_peaks: list, comm: dict) -> tuple[str, dict]:
+    """The markdown table (rank 0) and the JSON rows. ``peaks`` / ``reserved_peaks``: every rank's
+    per-implementation lists (``reserved_peaks``' dicts are empty on CPU)."""
+    ours = medians["ours"]
+    on_device = device.type != "cpu"
+    llama = args.model == "llama"
+    if llama:
+        n = llama_params(args)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        shape = (f"Llama dim {args.dim}, {args.layers} blocks, {args.heads} heads, vocab {args.vocab} "
+                 f"({size} params), global batch {args.batch}x{args.seq_len}")
+    elif args.model == "wide":
+        shape = f"{args.layers} x Linear({args.dim}, {args.dim}), global batch {args.batch}"
+    else:
+        shape = f"{args.layers} blocks of x + relu(Linear({args.dim}, {args.dim})(x)), global batch {args.batch}"
+    if on_device:
+        card = getattr(torch.get_device_module(device.type), "get_device_name", lambda _: device.type)(device)
+        where = f"{device.type.upper()} ({card})/{dist.get_backend()}"
+        memory = ("memory: max_memory_allocated in a step minus allocated before the model was built, and the "
+                  "reserved peak minus reserved then")
+        mem_header = "peak MiB per rank (max_memory_allocated) [min-max] | ours / this | reserved peak MiB per rank"
+    else:
+        where = "CPU/gloo"
+        memory = "memory: allocator peak per rank"
+        mem_header = "peak MiB per rank (allocator) [min-max] | ours / this"
+    lines = [
+        f"world {world}{' as HSDP (2 replicas x ' + str(world // 2) + ' shards)' if args.hsdp else ''}, {where}, "
+        f"{args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
+        f"{args.steps_per_round} steps; {memory}, max over ranks, median [min-max] of "
+        f"{args.memory_repeats} builds x 3 steps; torch {torch.__version__}",
+        "",
+        f"| implementation | median step (ms) [min-max] | ours / this |{' tokens/s |' if llama else ''} "
+        f"host CPU ms/step | {mem_header} | collectives / step | comm MiB / rank / step |",
+        "|---" * (8 + llama + on_device) + "|",
+    ]
+
+    def mib_over_ranks(per_rank: list) -> dict:  # every step's max over ranks, in MiB
+        return {n: [max(vals) / 2**20 for vals in zip(*(pk[n] for pk in per_rank))] for n in names}
+
+    mib = mib_over_ranks(peaks)
+    reserved_mib = mib_over_ranks(reserved_peaks) if on_device else {}
+    rows = {}
+    for name in names:
+        lo, hi = spans[name]
+        med = statistics.median(mib[name])
+        tokens = args.batch * args.seq_len / medians[name]
+        cells = [name, f"{medians[name] * 1e3:.2f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}]", f"{ours / medians[name]:.3f}"]
+        cells += [f"{tokens:,.0f}"] if llama else []
+        cells += [f"{host[name] * 1e3:.2f}", f"{med:.1f} [{min(mib[name]):.1f}-{max(mib[name]):.1f}]",
+                  f"{statistics.median(mib['ours']) / med:.3f}"]
+        if on_device:
+            res = reserved_mib[name]
+            cells.append(f"{statistics.median(res):.1f} [{min(res):.1f}-{max(res):.1f}]")
+        cells += [str(comm[name][1]) if name != "ddp" else "(in C++)", f"{comm[name][0] / 2**20:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+        if name != "ddp":
+            rows[name] = {"step_ms": medians[name] * 1e3, "peak_mib": med, "collectives": comm[name][1]}
+            if llama:
+                rows[name]["tokens_per_s"] = tokens
+            if on_device:
+                rows[name]["reserved_peak_mib"] = statistics.median(reserved_mib[name])
+    return "\n".join(lines), rows
 
 
 def emit(table: str, out: "str | None") -> None:

@@ -38,7 +38,7 @@ def _other_weights() -> nn.Sequential:
 # -- assigned parameters -----------------------------------------------------------------------
 
 
-def _assign(how: str) -> dict:
+def _assign(how: str, optimizer_first: bool = False) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from fully_shard import fully_shard
@@ -52,9 +52,11 @@ def _assign(how: str) -> dict:
     else:
         model = make_mlp()
     shard_mlp(model, "nested", True, fully_shard)
-    if not how.endswith("_on_meta"):
+    if not how.endswith("_on_meta") and not optimizer_first:
         model(mlp_batch(0)[0])  # ran once with the old weights
-    if how.startswith("load_state_dict_assign"):
+    if how == "load_state_dict_assign_full":  # a plain (unsharded) state dict: each rank keeps its chunk
+        model.load_state_dict(copy.deepcopy(new).state_dict(), assign=True)
+    elif how.startswith("load_state_dict_assign"):
         donor = copy.deepcopy(new)
         shard_mlp(donor, "nested", True, fully_shard)
         model.load_state_dict(donor.state_dict(), assign=True)
@@ -70,6 +72,10 @@ def _assign(how: str) -> dict:
     elif how == "broadcast_from_rank0_on_meta":
         full = new.state_dict() if rank == 0 else {}
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    if optimizer_first:  # the optimizer is built right after the assignment, before any forward
+        placements_ok = all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+        trained = _train_pair(model, ref, mlp_batch, _mlp_loss, 3)
+        return {"forward": _forward_diff(model, ref), "placements_ok": placements_ok, **trained}
     forward = _forward_diff(model, ref)
     placements_ok = all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
     trained = _train_pair(model, ref, mlp_batch, _mlp_loss, 3)
@@ -87,6 +93,19 @@ def test_assigned_parameters_take_effect_at_the_next_forward(ranks, world_size, 
         print(f"{how}: forward diff {r['forward']:.1e}, after 3 steps {r['param_diff']:.1e}")
         assert r["forward"] <= TOL64 and r["placements_ok"], r
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize(
+    "how", ["load_state_dict_assign", "load_state_dict_assign_full", "attribute_dtensor", "attribute_full_tensor"]
+)
+def test_assigned_parameters_are_sharded_before_the_optimizer_is_built(ranks, world_size, how):
+    """Issue #23: an assignment (``load_state_dict(sd, assign=True)``, ``block.w = nn.Parameter(t)``)
+    is taken over as it happens, so an optimizer built right after holds the sharded parameters
+    (it trained nothing before: the takeover waited for the next forward)."""
+    for r in ranks(world_size).run(_assign, how, True):
+        assert r["placements_ok"], r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64 and r["forward"] <= TOL64, r
 
 
 def _deterministic_init(model: nn.Module) -> None:
@@ -126,13 +145,16 @@ def _bad_assignment(kind: str) -> str:
     model = make_mlp()
     shard_mlp(model, "nested", True, fully_shard)
     target = model[0][0]
-    if kind == "shape":
-        target.weight = nn.Parameter(torch.zeros(5, 7, dtype=torch.float64))
-    else:
-        target.weight = nn.Parameter(distribute_tensor(torch.zeros(13, 7, dtype=torch.float64), cpu_mesh(), [Replicate()]))
-    try:
-        model(mlp_batch(0)[0])
+    before = target.weight
+    try:  # refused as it is assigned: the module keeps its sharded parameter
+        if kind == "shape":
+            target.weight = nn.Parameter(torch.zeros(5, 7, dtype=torch.float64))
+        else:
+            bad = distribute_tensor(torch.zeros(13, 7, dtype=torch.float64), cpu_mesh(), [Replicate()])
+            target.weight = nn.Parameter(bad)
     except ValueError as e:
+        assert target.weight is before
+        model(mlp_batch(0)[0])  # still trains
         return str(e)
     return "no error"
 
@@ -142,10 +164,13 @@ def _tie_after_fully_shard() -> str:
 
     model = make_mlp()
     shard_mlp(model, "nested", True, fully_shard)
-    model[3].bias = model[2][2].bias  # both (3,): the root's bias tied to block 2's, after sharding
-    try:
-        model(mlp_batch(0)[0])
+    model(mlp_batch(0)[0])  # after the first forward, names are from the root
+    model.reshard()
+    before = model[3].bias
+    try:  # both (3,): the root's bias tied to block 2's, after sharding
+        model[3].bias = model[2][2].bias
     except ValueError as e:
+        assert model[3].bias is before
         return str(e)
     return "no error"
 
@@ -158,7 +183,8 @@ def test_tying_weights_of_two_groups_after_fully_shard_is_refused(ranks):
 @pytest.mark.parametrize("kind", ["shape", "placement"])
 def test_a_replacement_of_the_wrong_shape_or_placement_is_refused(ranks, kind):
     for message in ranks(2).run(_bad_assignment, kind):
-        assert "'0.0.weight'" in message and "replaced after fully_shard" in message and "Fix:" in message, message
+        # Before the first forward a name is relative to its fully_shard call's module (model[0]).
+        assert "'0.weight'" in message and "replaced after fully_shard" in message and "Fix:" in message, message
         assert "(13, 7)" in message, message
 
 

@@ -69,6 +69,52 @@ def test_activation_checkpointing(ranks, world_size, kind):
         assert r["backward_all_gathers"] == n and r["block_reduces_in_backward"] == n, r
 
 
+class _ReentrantPerBlock(torch.nn.Sequential):
+    """The parity MLP whose forward runs each block under torch.utils.checkpoint(use_reentrant=True)."""
+
+    def forward(self, x):
+        for block in self[:3]:
+            x = checkpoint(block, x, use_reentrant=True)
+        return self[3](x)
+
+
+def _reentrant(kind: str) -> dict:
+    """Reentrant checkpointing runs the forward without grad and, in backward, a recomputed forward
+    whose own backward is the one that runs: around the sharded root, nothing of the original forward
+    fires, so the recompute must get the hooks of a forward (issue #23: it trained silently wrong)."""
+    from _parity import _train_pair, make_mlp, mlp_batch, shard_mlp
+    from fully_shard import debug, fully_shard
+
+    model = make_mlp()
+    if kind == "per_block":
+        model.__class__ = _ReentrantPerBlock
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+
+    def loss_of(m, x, y):
+        x = x.clone().requires_grad_(True)  # reentrant checkpointing needs an input that requires grad
+        out = checkpoint(m, x, use_reentrant=True) if kind == "around_root" else m(x)
+        return ((out - y) ** 2).mean()
+
+    with debug.trace() as t:
+        result = _train_pair(model, ref, mlp_batch, loss_of, 3)
+    result["types"] = sorted({type(p).__name__ for p in model.parameters()})
+    result["reduces"] = len(t.select(op="reduce_scatter", step=t.step))
+    return result
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["around_root", "per_block"])
+def test_reentrant_activation_checkpointing(ranks, world_size, kind):
+    for r in ranks(world_size).run(_reentrant, kind):
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+        assert r["types"] == ["DTensor"], r  # resharded after backward
+        # Around the root: the blocks' bucket ('2+1+0') as its signal fires, then the root. Per block
+        # (inside the root's tracked forward): the root, then the blocks at the end of backward, in
+        # two reduce-scatters ('0', '1+2').
+        assert r["reduces"] == (0 if world_size == 1 else {"around_root": 2, "per_block": 3}[kind]), r
+
+
 # -- meta-device init ------------------------------------------------------------------------
 
 

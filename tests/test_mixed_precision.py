@@ -368,8 +368,30 @@ def _force_sum(reduce_dtype) -> dict:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("reduce_dtype", [BF16, torch.float32])
 def test_force_sum_reduction_for_comms(ranks, world_size, reduce_dtype):
-    # bf16 divides by the largest power of two <= sqrt(W) before the sum, the rest after; fp32 after.
-    before = 2.0 if (reduce_dtype == BF16 and world_size == 4) else 1.0
+    # bf16 divides by the smallest power of two p with W / p <= p before the sum, the rest after; fp32 after.
+    before = 2.0 if reduce_dtype == BF16 else 1.0
     for r in ranks(world_size).run(_force_sum, reduce_dtype):
         assert r["reductions"] == [("sum", before, world_size / before)], r
         assert r["vs_torch"] == 0.0 and r["vs_default"] == 0.0, r
+
+
+def _fp16_sum_above_max() -> float:
+    """Each rank's gradient is below fp16's max (65504), their sum is not: 38000 at 2 ranks, 20000
+    at 4 (the sum of halves, 40000, still fits)."""
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    _, w = world()
+    g = 38000.0 if w <= 2 else 20000.0
+    model = nn.Linear(1, 1, bias=False)
+    nn.init.ones_(model.weight)
+    fully_shard(model, mesh=cpu_mesh(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16))
+    model(torch.full((1, 1), g)).sum().backward()
+    return full(model.weight.grad).item()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp16_gradients_whose_sum_exceeds_fp16_max_average_finite(ranks, world_size):
+    """Issue #23: divided by 2 before the sum (PyTorch's split), so the mean is finite and exact
+    (the input's fp16 value: 38000 rounds to 38016)."""
+    expected = torch.tensor(38000.0 if world_size == 2 else 20000.0).half().item()
+    assert ranks(world_size).run(_fp16_sum_above_max) == [expected] * world_size

@@ -578,3 +578,35 @@ def test_simulated_attention_is_fused_where_the_devices_fuse_it():
         assert run(q, k, v, is_causal=True)[1] > H * square
     with pytest.raises(RuntimeError):  # SDPA's own error: causal and a mask together
         run(q, k, v, attn_mask=t(B, 1, S, S), is_causal=True)
+
+
+def test_bad_builders_and_huge_meshes_get_clear_errors():
+    """Issue #23: a builder that does not exist, or raises, and a mesh too large to simulate are named
+    with the fix, before any allocation (not a raw traceback, nor a MemoryError)."""
+    models = os.path.join(os.path.dirname(HERE), "examples", "plan_models.py")
+    cases = {
+        f"{models}:nope": "no function 'nope' in",
+        "examples_nofile.py:x": "no file 'examples_nofile.py'",
+        "no_module_xyz:x": "cannot import 'no_module_xyz'",
+    }
+    for builder, expected in cases.items():
+        out = subprocess.run([sys.executable, "-m", "fully_shard.plan", builder, "--input-shape", "2x16", "--mesh", "2"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode != 0 and expected in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "fully_shard.plan", f"{models}:llama_small", "--input-shape", "2x16",
+                          "--mesh", "1000000000"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "1,000,000,000 ranks" in out.stderr and "Fix:" in out.stderr, out.stderr[-2000:]
+    code = """
+import torch
+from fully_shard.plan import simulate
+from fully_shard.plan.simulate import BuilderError
+def build():
+    raise KeyError("weights.bin")
+try:
+    simulate(build, torch.zeros(1, 2), mesh_shape=(2,))
+except BuilderError as e:
+    assert "build_model() raised KeyError" in str(e) and "Fix" in str(e) and isinstance(e.__cause__, KeyError), e
+    print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "refused", out.stderr[-2000:]

@@ -618,3 +618,84 @@ def test_weight_tied_outside_every_call_is_named(ranks):
     for r in ranks(2).run(_tied_outside_every_call):
         assert "SGD holds parameter 'weight' as it was before fully_shard" in r["error"], r
         assert "a weight tied outside every call" in r["error"] and "apply fully_shard to the root" in r["error"], r
+
+
+def _load_with_one_wrong_shape(after_forward: bool) -> dict:
+    """A state dict with one key of the wrong shape (the last block's weight): refused before any
+    key is loaded (PyTorch loads the others first), the model as it was, training goes on."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    if after_forward:  # the root's parameters are unsharded at the load
+        model(mlp_batch(0)[0].chunk(w)[rank])
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    donor = {k: torch.full_like(v, 7.0) for k, v in before.items()}
+    last = [k for k in donor if k.endswith("weight")][-1]
+    donor[last] = torch.zeros(donor[last].shape[0] + 1, *donor[last].shape[1:], dtype=donor[last].dtype)
+    try:
+        model.load_state_dict(donor)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    unchanged = all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+    if after_forward:
+        model.reshard()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, ref))
+    for step in range(2):
+        x, y = mlp_batch(step)
+        for m, o, xs, ys in ((model, opt, x.chunk(w)[rank], y.chunk(w)[rank]), (ref, ref_opt, x, y)):
+            _mlp_loss(m, xs, ys).backward()
+            o.step()
+            o.zero_grad()
+    return {"message": message, "last": last, "unchanged": unchanged, "param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("after_forward", [False, True])
+def test_a_state_dict_with_a_wrong_shape_is_refused_before_anything_loads(ranks, world_size, after_forward):
+    for r in ranks(world_size).run(_load_with_one_wrong_shape, after_forward):
+        assert f"'{r['last']}' is (" in r["message"] and "nothing was loaded" in r["message"], r
+        assert "Fix:" in r["message"] and r["unchanged"] and r["param_diff"] <= TOL64, r
+
+
+def _optimizer_after_a_dry_run(reshard_first: bool) -> dict:
+    """A grad-enabled forward without backward (a dry run), then the optimizer: the root's parameters
+    are unsharded at that moment, so it holds tensors the model never trains through. Refused at the
+    first step, naming the cause and the fix; after model.reshard() it trains like the reference."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    model(mlp_batch(0)[0].chunk(w)[rank])  # dry run: the root keeps its parameters for a backward
+    if reshard_first:
+        model.reshard()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, ref))
+    message = "no error"
+    for step in range(2):
+        x, y = mlp_batch(step)
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            return {"message": str(e)}
+        opt.zero_grad()
+        _mlp_loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"message": message, "param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("reshard_first", [False, True])
+def test_an_optimizer_built_while_unsharded_is_refused(ranks, world_size, reshard_first):
+    for r in ranks(world_size).run(_optimizer_after_a_dry_run, reshard_first):
+        if reshard_first:
+            assert r["message"] == "no error" and r["param_diff"] <= TOL64, r
+        else:
+            assert "in its unsharded form" in r["message"] and "Fix:" in r["message"], r
+            assert "model.reshard()" in r["message"], r

@@ -180,9 +180,9 @@ def test_importing_does_not_initialise_an_accelerator():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-# factor -> (before, after) for a low-precision reduction: before is the largest power of two
-# <= sqrt(factor) (dividing by it is exact), after the rest.
-SPLITS = {1: (1.0, 1.0), 2: (1.0, 2.0), 3: (1.0, 3.0), 4: (2.0, 2.0), 8: (2.0, 4.0), 16: (4.0, 4.0), 1000: (16.0, 62.5)}
+# factor -> (before, after) for a low-precision reduction: before is the smallest power of two p
+# with factor / p <= p (dividing by it is exact; PyTorch's rule), after the rest.
+SPLITS = {1: (1.0, 1.0), 2: (2.0, 1.0), 3: (2.0, 1.5), 4: (2.0, 2.0), 8: (4.0, 2.0), 16: (4.0, 4.0), 1000: (16.0, 62.5)}
 
 
 @pytest.mark.parametrize("factor", sorted(SPLITS))
@@ -191,6 +191,10 @@ def test_low_precision_divide_split(factor, dtype):
     from fully_shard.runtime.collectives import split_divide_factor
 
     assert split_divide_factor(float(factor), dtype) == SPLITS[factor]
+    if dtype == torch.float16 and factor > 1:  # the oracle: PyTorch's fully_shard splits fp16 so
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+        assert _get_gradient_divide_factors(None, None, dtype, factor=float(factor))[:2] == SPLITS[factor]
     for wide in (torch.float32, torch.float64):  # divided once, after the sum
         assert split_divide_factor(float(factor), wide) == (1.0, float(factor))
 
@@ -205,7 +209,7 @@ def test_reduction_plan(force_sum, dtype):
 
     nccl = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=True, force_sum=force_sum)
     gloo = plan_reduction(8.0, dtype, rs_size=4, dp_size=8, native_avg=False, force_sum=force_sum)
-    split = (2.0, 4.0) if dtype in (torch.bfloat16, torch.float16) else (1.0, 8.0)
+    split = (4.0, 2.0) if dtype in (torch.bfloat16, torch.float16) else (1.0, 8.0)
     assert (gloo.name, gloo.op, gloo.all_reduce_op, (gloo.before, gloo.after)) == ("sum", dist.ReduceOp.SUM, dist.ReduceOp.SUM, split)
     if force_sum or dtype in (torch.float16, torch.float64):
         assert nccl == gloo

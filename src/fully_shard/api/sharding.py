@@ -257,7 +257,7 @@ def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], t
     # A state dict holds sharded DTensors only, also while the parameters are unsharded.
     module.register_state_dict_pre_hook(_Hook(state.show_sharded))
     module.register_state_dict_post_hook(_Hook(state.show_unsharded))
-    module.register_load_state_dict_pre_hook(_Hook(state.show_sharded))
+    module.register_load_state_dict_pre_hook(_Hook(state.before_load))
     module.register_load_state_dict_post_hook(_Hook(state.after_load))
     module.__class__ = make_class(type(module))
 

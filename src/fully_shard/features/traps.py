@@ -1,9 +1,10 @@
 """Silent traps around ``fully_shard``, caught at the first optimizer step.
 
-An optimizer built before ``fully_shard`` holds the replaced parameters and would never train the
-model (raised). One that also holds plain parameters no ``fully_shard`` call manages steps them with
-each rank's own gradients, so ranks drift apart (warned once per optimizer). One global step
-pre-hook looks at each optimizer again only when its parameter count changes.
+An optimizer built before ``fully_shard``, or while the parameters are unsharded, holds tensors the
+model does not train through (raised). One that also holds plain parameters no ``fully_shard``
+call manages steps them with each rank's own gradients, so ranks drift apart (warned once per
+optimizer). One global step pre-hook looks at each optimizer again only when its parameter count
+changes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..runtime.registry import manager_of
+from ..runtime.registry import manager_of, unsharded_owner
 
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user asked fully_shard to leave alone
@@ -56,6 +57,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "fully_shard (e.g. torch.optim.AdamW(model.parameters()) once every call has run), and "
                 "apply fully_shard to the root so every module sharing the weight is covered."
             )
+        if owner is None and unsharded_owner(p) is not None:
+            _refuse_unsharded(optimizer, unsharded_owner(p))
         if owner is not None:
             managed.append(owner)
         elif not isinstance(p, DTensor) and p not in _ignored:
@@ -71,3 +74,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "that is what you want.",
             stacklevel=3,
         )
+
+
+def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:
+    raise RuntimeError(
+        f"{type(optimizer).__name__} holds parameter '{owner.path}' in its unsharded form, which "
+        "fully_shard frees and rebuilds around each use: this optimizer would never train it. It was built "
+        "while the parameters were unsharded: after a forward whose backward has not run (the root keeps "
+        "its parameters unsharded for that backward), or inside unshard() / unsharded(). Fix: build the "
+        "optimizer before the first forward or after backward, or call model.reshard() before building it."
+    )

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .simulate import GiB, Plan, simulate
+from .simulate import BuilderError, GiB, Plan, simulate
 from .staging import STAGED
 from .timing import PRESETS, StepTime
 
@@ -51,15 +51,31 @@ def load_builder(spec: str) -> Callable[[], Any]:
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise SystemExit(f"BUILDER must be module:function or path/to/file.py:function, got {spec!r}")
-    if where.endswith(".py"):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
-        module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise SystemExit(f"BUILDER {spec!r}: no file {where!r} (from {os.getcwd()})")
+    try:
+        module = _import(where)
+    except ImportError as e:
+        raise SystemExit(f"BUILDER {spec!r}: cannot import {where!r}: {e}") from e
+    found = getattr(module, name, None)
+    if not callable(found):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise SystemExit(
+            f"BUILDER {spec!r}: no function {name!r} in {where!r}"
+            + (f" (it has: {', '.join(public[:12])})" if public else "")
+        )
+    return found
+
+
+def _import(where: str) -> Any:
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+    module_spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def parse_mesh(text: str, ndim: int | None = None) -> tuple[int, ...]:
@@ -354,4 +370,7 @@ def recommend_table(
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (BuilderError, ValueError) as e:  # the user's input: the message says what to fix
+        raise SystemExit(f"fully_shard.plan: {e}") from None

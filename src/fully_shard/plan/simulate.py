@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from .timing import StepTime
 
 GiB = 2**30
+MAX_RANKS = 2**20  # a fake world's mesh holds one int64 per rank
+
+
+class BuilderError(RuntimeError):
+    """The user's ``build_model`` raised (the cause is chained)."""
 
 
 @dataclass
@@ -215,8 +220,15 @@ def simulate(
 def _built_on_meta(build_model: Callable[[], nn.Module], mesh: Any, shard_fn: Any, mp_policy: Any) -> tuple:
     """The model built on the meta device and sharded (by ``shard_fn``, else `default_shard_fn`),
     with its parameter count before sharding."""
-    with torch.device("meta"):
-        model = build_model()
+    try:
+        with torch.device("meta"):
+            model = build_model()
+    except Exception as e:
+        raise BuilderError(
+            f"plan.simulate: build_model() raised {type(e).__name__}: {e}. It runs under "
+            "torch.device('meta') (shapes, no data: no .item(), no weights loaded). Fix the builder; try it "
+            "alone with `with torch.device('meta'): build_model()`."
+        ) from e
     n_params = sum(p.numel() for p in model.parameters())
     if shard_fn is None:
         default_shard_fn(model, mesh, mp_policy)
@@ -244,6 +256,12 @@ def _checked_mesh(
             "mesh is 1-D (FSDP) or 2-D (replicate, shard). Fix: for tensor-parallel (or other) dims, name "
             "them in mesh_dim_names and pass a shard_fn that slices the mesh (e.g. parallelize_module over "
             "mesh['tp'], fully_shard over mesh['dp'])."
+        )
+    if math.prod(shape) > MAX_RANKS:
+        raise ValueError(
+            f"simulate(mesh_shape={shape}): {math.prod(shape):,} ranks; the simulation holds the mesh's rank "
+            f"table (8 bytes a rank) and plans up to {MAX_RANKS:,}. Fix: plan a smaller world (per-rank "
+            "memory stops changing once each parameter has one row per rank)."
         )
     if names is not None and len(names) != len(shape):
         raise ValueError(f"simulate: {len(names)} mesh_dim_names for a {len(shape)}-D mesh_shape {shape}.")

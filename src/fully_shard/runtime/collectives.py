@@ -95,11 +95,15 @@ class Reduction:
 
 
 def split_divide_factor(factor: float, dtype: torch.dtype) -> tuple[float, float]:
-    """(before, after) the sum. fp16/bf16 divide first by the largest power of two <= sqrt(factor)
-    (exact) so the sum cannot overflow, and by the rest after so small values do not underflow."""
+    """(before, after) the sum. fp16/bf16 divide first by the smallest power of two ``p`` with
+    ``factor / p <= p`` (about sqrt(factor), exact; as PyTorch's FSDPs do): at 2 ranks by 2, so two
+    gradients below the dtype's max cannot sum past it; the rest after, so small values do not
+    underflow."""
     if dtype not in (torch.float16, torch.bfloat16) or factor <= 1:
         return 1.0, factor
-    before = 2.0 ** math.floor(math.log2(math.sqrt(factor)))
+    before = 1.0
+    while factor % before == 0 and factor / before > before:
+        before *= 2
     return before, factor / before
 
 

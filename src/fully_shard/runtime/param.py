@@ -35,7 +35,7 @@ from ..layouts.layout import ShardLayout
 from .lifecycle import ShardedState
 from ..layouts.mesh import MeshInfo
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
-from .registry import manager_of, register_places, register_sharded
+from .registry import manager_of, register_places, register_sharded, register_unsharded
 from .settings import Settings
 from ..layouts.tp import TPSpec
 
@@ -141,10 +141,22 @@ class FSDPParam:
         for place in places:
             place.set(self.sharded_param)
 
-    def note_assigned(self) -> None:
-        """Something was assigned at one of its places: the group takes it over at the next unshard."""
-        if self.group is not None:
-            self.group.needs_sync = True
+    def note_assigned(self, module: nn.Module, name: str, new: object) -> Optional[nn.Parameter]:
+        """``new`` is being registered at one of its places (`registry`): the sharded parameter to
+        register instead, taken over now so that ``model.parameters()`` (an optimizer built next)
+        sees it; one it cannot take raises here, before anything changed. While unsharded (or not
+        yet in a group) the next unshard takes it over."""
+        if self.group is None or self.is_unsharded:
+            if self.group is not None:
+                self.group.needs_sync = True
+            return None
+        place = next(p for p in self.places if p.module is module and p.name == name)
+        self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
+        register_sharded(self)
+        for other in self.places:  # tied places stay tied
+            other.set(self.sharded_param)
+        self.group.needs_sync = True  # the new local tensor moves into the all-gather's storage
+        return self.sharded_param
 
     def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
         """The tensors it holds, each with its category (`fully_shard.plan.CATEGORIES`), for tools."""
@@ -401,6 +413,7 @@ class FSDPParam:
         if self.where.tp is not None:
             tensor = self.where.tp.unsharded(tensor)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
+        register_unsharded(self, self.unsharded_param)
         return self.unsharded_param
 
     # The group's `sharded_state` records which form is in use; it calls these two on its transitions.

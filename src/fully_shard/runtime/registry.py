@@ -2,9 +2,10 @@
 
 After ``fully_shard(embed)`` a tied ``lm_head`` still holds the original tensor; a later call that
 meets it borrows the owner's parameter instead of sharding it again (which would untie them). A
-global parameter-registration hook tells the owner (`Managed.note_assigned`) when something else
-is assigned at one of its places. Everything is weak: no per-rank state, nothing kept alive (a weak
-reference on the sharded parameter itself would stop ``to_empty`` from swapping it).
+global parameter-registration hook hands what is assigned at one of its places to the owner
+(`Managed.note_assigned`), which registers its sharded form instead. Everything is weak: no
+per-rank state, nothing kept alive (a weak reference on the sharded parameter itself would stop
+``to_empty`` from swapping it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Managed(Protocol):
     """What the registry holds: an `FSDPParam`, by what its users read (so no import of it)."""
 
     sharded_param: nn.Parameter
+    unsharded_param: Optional[nn.Parameter]
     places: list[Any]
     group: Any
 
@@ -29,11 +31,12 @@ class Managed(Protocol):
 
     def add_places(self, places: list[Any]) -> None: ...
 
-    def note_assigned(self) -> None: ...
+    def note_assigned(self, module: nn.Module, name: str, new: object) -> Optional[nn.Parameter]: ...
 
 
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
+_UNSHARDED: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
 # module -> {parameter name: its owner, weakly (the owner holds the module)}.
 _PLACES: "weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
 _hook: list[Any] = []  # the registration hook's handle, once installed
@@ -47,11 +50,11 @@ def register_places(managed: Managed, places: list[Any]) -> None:
         _PLACES.setdefault(place.module, {})[place.name] = weakref.ref(managed)
 
 
-def _on_register(module: nn.Module, name: str, param: Any) -> None:
+def _on_register(module: nn.Module, name: str, param: Any) -> Optional[nn.Parameter]:
+    """What ``module.<name>`` registers instead of ``param`` (None: ``param`` itself)."""
     ref = _PLACES.get(module, {}).get(name)
     managed = ref() if ref is not None else None
-    if managed is not None:
-        managed.note_assigned()
+    return managed.note_assigned(module, name, param) if managed is not None else None
 
 
 def register_original(original: nn.Parameter, managed: Managed) -> None:
@@ -61,6 +64,17 @@ def register_original(original: nn.Parameter, managed: Managed) -> None:
 def register_sharded(managed: Managed) -> None:
     """Record ``managed.sharded_param`` (call again whenever it is replaced)."""
     _SHARDED[id(managed.sharded_param)] = managed
+
+
+def register_unsharded(managed: Managed, unsharded: nn.Parameter) -> None:
+    """Record ``managed``'s unsharded parameter (made once, reused every step)."""
+    _UNSHARDED[id(unsharded)] = managed
+
+
+def unsharded_owner(param: nn.Parameter) -> Optional[Managed]:
+    """Whose unsharded parameter ``param`` is (None: nobody's)."""
+    managed = _UNSHARDED.get(id(param))
+    return managed if managed is not None and managed.unsharded_param is param else None
 
 
 def manager_of(param: nn.Parameter) -> Optional[Managed]:

@@ -300,6 +300,21 @@ def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
     return found
 
 
+def _refuse_wrong_shapes(module: nn.Module, state_dict: dict, prefix: str) -> None:
+    """PyTorch loads the keys that fit and then raises for the rest; refuse before any is loaded."""
+    wrong = []
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        got = state_dict.get(prefix + name)
+        if isinstance(got, torch.Tensor) and got.shape != t.shape:
+            wrong.append(f"'{prefix + name}' is {tuple(got.shape)}, the model's {tuple(t.shape)}")
+    if wrong:
+        raise RuntimeError(
+            f"load_state_dict into {class_name(module)}: shapes differ ({'; '.join(wrong)}; global shapes, "
+            "whatever the sharding); nothing was loaded. Fix: load a state dict of this architecture, or "
+            "drop those keys and pass strict=False."
+        )
+
+
 class FSDPState:
     def __init__(
         self,
@@ -367,6 +382,11 @@ class FSDPState:
         """After state_dict: back to the form the group is in."""
         for g in self.groups:
             g.show_form(unsharded=True)
+
+    def before_load(self, module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
+        """Before load_state_dict: refuse wrong shapes while nothing is loaded; show the shards."""
+        _refuse_wrong_shapes(module, state_dict, prefix)
+        self.show_sharded(module)
 
     def after_load(self, module: nn.Module, *unused: Any) -> None:
         """After load_state_dict: back to the group's form; the loaded shards are taken over (and
@@ -560,11 +580,14 @@ class FSDPState:
             for target in self.settings.forward_prefetch or ():
                 for g in target.own:
                     g.unshard(Reason.FORWARD_PREFETCH)
-            if torch.is_grad_enabled():
-                for g in self.own:
-                    if g.trainable:
-                        args, kwargs = self._attach_post_backward_signal(args, kwargs)
-                        break
+            args, kwargs = self._attach_signal_if_trainable(args, kwargs)
+        return args, kwargs
+
+    def _attach_signal_if_trainable(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if torch.is_grad_enabled():
+            for g in self.own:
+                if g.trainable:
+                    return self._attach_post_backward_signal(args, kwargs)
         return args, kwargs
 
     def _check_prefetch_target(self, target: "FSDPState", method: str) -> None:
@@ -577,13 +600,23 @@ class FSDPState:
             )
 
     def unshard_for_recompute(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Activation checkpointing recomputes this module. No post-backward signal: the recomputed
-        graph's backward never runs; the original forward's signal fires."""
+        """Activation checkpointing recomputes this module. Non-reentrant: the original forward's
+        hooks drive backward (the recomputed graph's backward never runs). Reentrant, when no hook of
+        the original forward fired (it ran without grad: `recompute_is_tracked`): the recomputed
+        graph is the one backpropagated, so it gets the hooks a forward gets."""
         args, kwargs, _ = self.prepare_inputs(args, kwargs, in_backward=True)
         if self.groups:
             with record_function(f"FSDP::pre_recompute {self.fqn}"):
                 self._unshard_groups(Reason.BACKWARD)
+            if self.recompute_is_tracked():
+                args, kwargs = self._attach_signal_if_trainable(args, kwargs)
         return args, kwargs
+
+    def recompute_is_tracked(self) -> bool:
+        """Whether this recompute's backward is the one that runs: the iteration is not in backward
+        yet (reentrant checkpointing ran the original forward without grad, so nothing of it fired)."""
+        assert self.ctx is not None
+        return torch.is_grad_enabled() and self.ctx.phase is not IterationPhase.BACKWARD
 
     def _unshard_groups(self, reason: Reason, after: Optional[torch.Event] = None) -> None:
         """Issue every all-gather (own and borrowed groups) before waiting for any."""
@@ -626,9 +659,15 @@ class FSDPState:
         return output
 
     def after_recompute(self, module: nn.Module, output: Any) -> Any:
-        """Only cast: backward needs these parameters next, and its post-backward reshards them."""
+        """Cast; backward needs these parameters next, and its post-backward reshards them. A tracked
+        recompute (`recompute_is_tracked`) also hooks its outputs, as a forward does."""
         dtype = self.mp_policy.output_dtype
-        return _cast_floats(output, dtype) if dtype is not None else output
+        output = _cast_floats(output, dtype) if dtype is not None else output
+        if self.groups and self.recompute_is_tracked():
+            output = self._hook_outputs_for_backward(output)
+            if self.own:
+                self.root_context().post_forward_order.append(self)
+        return output
 
     def members_left(self, module: nn.Module, output: Any) -> bool:
         """Guard: other members of a list-form call have not finished this forward."""
