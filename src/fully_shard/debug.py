@@ -22,7 +22,7 @@ import torch.distributed as dist
 from .runtime.collective import ACTIVE_OBSERVERS, Collective
 
 # Public as fully_shard.debug.*:
-from .features.schedule import ScheduleDivergence, set_schedule_check  # noqa: F401
+from .features.schedule import LateRank, ScheduleDivergence, set_schedule_check  # noqa: F401
 from .runtime.watchdog import set_watchdog  # noqa: F401
 
 

@@ -1,6 +1,8 @@
 """Opt-in schedule check (docs/reliability.md): before each collective, ranks compare fingerprints
 through the default store and raise `ScheduleDivergence` within seconds instead of hanging or
-pairing the wrong buffers; nothing mismatched is issued. Each root counts on its own, so ranks run
+pairing the wrong buffers; nothing mismatched is issued. A rank that has not arrived is late, not
+divergent: warned after the check's timeout, `LateRank` past the process group's. A rank whose check
+is off leaves its groups unchecked (warned). Each root counts on its own, so ranks run
 as threads never share a counter; its store keys carry the root's ordinal on this rank.
 """
 
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..runtime import watchdog
@@ -21,7 +25,12 @@ ENV_TIMEOUT = "FULLY_SHARD_SCHEDULE_TIMEOUT"
 
 
 class ScheduleDivergence(RuntimeError):
-    """Ranks were about to issue different collectives (or one issued none)."""
+    """Ranks were about to issue different collectives."""
+
+
+class LateRank(ScheduleDivergence):
+    """A rank of the group did not reach the collective within the process group's timeout (late,
+    stopped or hung: not shown to diverge). A `ScheduleDivergence`, so one ``except`` catches both."""
 
 
 @dataclass
@@ -32,6 +41,7 @@ class _Sequence:
     timeout: float
     seq: dict[str, int] = field(default_factory=dict)  # process group name -> collectives checked
     agreed: dict[str, str] = field(default_factory=dict)  # process group name -> the last agreed one
+    unchecked: set[str] = field(default_factory=set)  # groups with a rank whose check is off
 
 
 class ScheduleCheck:
@@ -53,9 +63,19 @@ class ScheduleCheck:
             self._run = None
             return
         if self._run is None or self._run.timeout != timeout:
+            _announce()
             ordinal = _store().add(f"fully_shard/schedule/roots/{dist.get_rank()}", 1)
             self._run = _Sequence(f"fully_shard/schedule/{ordinal}", timeout)
-        _check(self._run, c)
+        if c.group.group_name not in self._run.unchecked:
+            _check(self._run, c)
+
+
+def _announce() -> None:
+    """Tell the other ranks this rank checks (a rank that never says so has the check off)."""
+    _store().set(f"{_ON}/{dist.get_rank()}", "1")
+
+
+_ON = "fully_shard/schedule/on"
 
 
 def _store() -> dist.Store:
@@ -69,16 +89,8 @@ def _check(run: _Sequence, c: Collective) -> None:
     prefix = f"{run.key}/{name}/{n}"
     store.set(f"{prefix}/{rank}", mine)
     ranks = dist.get_process_group_ranks(c.group)
-    others = [r for r in ranks if r != rank]
-    try:
-        store.wait([f"{prefix}/{r}" for r in others], datetime.timedelta(seconds=run.timeout))
-    except Exception:  # the store's own timeout error
-        silent = [r for r in others if not store.check([f"{prefix}/{r}"])]
-        raise ScheduleDivergence(
-            f"fully_shard schedule check: rank {rank} is about to issue collective #{n} on process group "
-            f"{name}: {mine}, but rank(s) {silent} issued no collective #{n} within {run.timeout:g} s. "
-            f"{_last(run, name)} {_FIX}"
-        ) from None
+    if not _wait_for_others(run, c, prefix, [r for r in ranks if r != rank], n, mine):
+        return  # a rank of this group does not check: this rank stops checking it too
     seen = {r: store.get(f"{prefix}/{r}").decode() for r in ranks}
     if len({s.rsplit(" [", 1)[0] for s in seen.values()}) > 1:
         listed = "; ".join(f"rank {r}: {s}" for r, s in seen.items())
@@ -89,6 +101,61 @@ def _check(run: _Sequence, c: Collective) -> None:
     run.agreed[name] = f"#{n}: {mine}"
     if n > 1:  # every rank of the group is past #n-1 now: nobody reads that key again
         store.delete_key(f"{run.key}/{name}/{n - 1}/{rank}")
+
+
+def _wait_for_others(
+    run: _Sequence, c: Collective, prefix: str, others: list[int], n: int, mine: str
+) -> bool:
+    """Until every other rank posted its collective #n: True. A rank that never turned the check on:
+    warned, the group left unchecked, False. One still silent after the check's timeout is late (a
+    slow step is not a divergence): warned, waited for up to the process group's timeout, then
+    `LateRank`."""
+    store, name, waited, warned = _store(), c.group.group_name, 0.0, False
+    limit = _group_timeout(c.group)
+    while True:
+        step = min(run.timeout, max(limit - waited, 0.001))
+        try:
+            store.wait([f"{prefix}/{r}" for r in others], datetime.timedelta(seconds=step))
+            return True
+        except Exception:  # the store's own timeout error
+            waited += step
+        silent = [r for r in others if not store.check([f"{prefix}/{r}"])]
+        off = [r for r in silent if not store.check([f"{_ON}/{r}"])]
+        if off:
+            run.unchecked.add(name)
+            warnings.warn(
+                f"fully_shard schedule check: it is off on rank(s) {off} of process group {name} (on for "
+                f"rank {dist.get_rank()}), so this rank stops checking that group. Fix: turn it on on every "
+                "rank (set_schedule_check(True) on each, or FULLY_SHARD_CHECK_SCHEDULE=1 in every rank's "
+                "environment).",
+                stacklevel=5,
+            )
+            return False
+        where = f"collective #{n} on process group {name} ({mine})"
+        if waited >= limit:
+            raise LateRank(
+                f"fully_shard schedule check: rank(s) {silent} did not reach {where} within the process "
+                f"group's timeout ({limit:g} s): late, stopped or hung (nothing shows they diverge). "
+                f"{_last(run, name)} Fix: find what holds them (fully_shard.debug.set_watchdog dumps "
+                f"their stacks); if they skipped work the others did: {_FIX[5:]}"
+            )
+        if not warned:
+            warned = True
+            warnings.warn(
+                f"fully_shard schedule check: rank(s) {silent} have not reached {where} after {waited:g} s; "
+                f"waiting (late is not divergent) up to the process group's timeout ({limit:g} s).",
+                stacklevel=5,
+            )
+
+
+def _group_timeout(group: dist.ProcessGroup) -> float:
+    """The process group's own timeout in seconds (PyTorch's default where it does not say)."""
+    for device_type in getattr(group, "_device_types", ()):
+        try:
+            return group._get_backend(torch.device(device_type)).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
 
 
 def _last(run: _Sequence, name: str) -> str:
@@ -119,6 +186,11 @@ def set_schedule_check(enabled: bool, timeout: float = 10.0) -> None:
     if enabled and not float(timeout) > 0:
         raise ValueError(f"the schedule check's timeout must be > 0 seconds, got {timeout!r}.")
     _timeout = float(timeout) if enabled else None
+    if dist.is_initialized():  # said now, so a rank late to its first collective is not taken as off
+        if enabled:
+            _announce()
+        else:
+            _store().delete_key(f"{_ON}/{dist.get_rank()}")
     for root in watchdog.roots():  # roots already running; new ones attach at lazy init
         attach_to(root)
 
