@@ -96,19 +96,7 @@ def convert_out(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> N
     for key in keys:
         value = state_dict[key]
         if isinstance(value, DTensor):
-            if kind is StateDictType.FULL_STATE_DICT:
-                value = value.full_tensor()
-            elif kind is StateDictType.LOCAL_STATE_DICT:
-                value = value.to_local()
-            elif offload:
-                value = DTensor.from_local(
-                    value.to_local().cpu(),
-                    value.device_mesh,
-                    value.placements,
-                    run_check=False,
-                    shape=value.shape,
-                    stride=value.stride(),
-                )
+            value = _as_kind(value, kind, offload)
         else:
             original = module._fsdp1_buffer_dtypes.get(key[len(prefix) :])
             if original is not None and isinstance(value, torch.Tensor):
@@ -217,22 +205,25 @@ def _optim_value(value: Any, kind: StateDictType, config: OptimStateDictConfig) 
     """One value of an optimizer state as a ``kind`` state dict holds it (a sharded DTensor gathered,
     or its local shard), on the CPU if ``config`` says so."""
     if isinstance(value, DTensor):
-        if kind is StateDictType.FULL_STATE_DICT:
-            value = value.full_tensor()
-        elif kind is StateDictType.LOCAL_STATE_DICT:
-            value = value.to_local()
-        elif config.offload_to_cpu:
-            return DTensor.from_local(
-                value.to_local().cpu(),
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
-    if config.offload_to_cpu and isinstance(value, torch.Tensor):
+        value = _as_kind(value, kind, config.offload_to_cpu)
+    if config.offload_to_cpu and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         value = value.cpu()
     return value
+
+
+def _as_kind(value: DTensor, kind: StateDictType, offload: bool) -> torch.Tensor:
+    """A sharded DTensor as a ``kind`` state dict holds it: gathered, its local shard, or itself
+    (its shard on the CPU with ``offload``)."""
+    if kind is StateDictType.FULL_STATE_DICT:
+        return value.full_tensor()
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        return value.to_local()
+    if not offload:
+        return value
+    local = value.to_local().cpu()
+    return DTensor.from_local(
+        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    )
 
 
 def optim_state_dict_to_load(

@@ -38,6 +38,7 @@ import torch
 
 from .simulate import BuilderError, GiB, Plan, simulate
 from .staging import STAGED
+from ..tools.memory import CATEGORIES
 from .timing import PRESETS, StepTime
 
 if TYPE_CHECKING:
@@ -101,15 +102,6 @@ def _gib(nbytes: int) -> str:
     return f"{v:.2f}" if v >= 0.01 or v == 0 else f"{v:.1e}"
 
 
-_CATEGORIES = (
-    "sharded_params",
-    "gradients",
-    "optimizer_state",
-    "unsharded_params",
-    "communication",
-    "buffers",
-    "activations",
-)
 _OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -138,7 +130,7 @@ def _row(plan: Plan, time: StepTime | None, tp: bool) -> str:
     moved = plan.bytes_per_step()
     cells = [str(plan.world_size), "x".join(map(str, plan.mesh_shape))]
     cells += [_gib(plan.peak_bytes), _gib(plan.peak_snapshot.total)]
-    cells += [_gib(cats[k]) for k in _CATEGORIES]
+    cells += [_gib(cats[k]) for k in CATEGORIES]
     cells += [_gib(moved.get(op, 0)) for op in _OPS]
     if tp:
         cells.append(_gib(sum(n for k, n in moved.items() if k.startswith("dtensor_"))))
