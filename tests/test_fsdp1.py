@@ -753,3 +753,28 @@ def _batchnorm_mixed_precision() -> dict:
 def test_fsdp1_batchnorm_out_of_mixed_precision_matches_pytorch(ranks):
     for r in ranks(2).run(_batchnorm_mixed_precision):
         assert r == {"loss": 0.0, "param": 0.0, "instances": (3, 3)}, r
+
+
+def _hand_wrapped_child_under_a_policy() -> dict:
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from fully_shard.fsdp1 import FullyShardedDataParallel as FSDP
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    model[0] = FSDP(model[0])
+    before = [type(p).__name__ for p in model[1].parameters()]
+    try:
+        FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    return {"message": message, "untouched": before == [type(p).__name__ for p in model[1].parameters()]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_auto_wrap_over_a_hand_wrapped_child_names_it(ranks, world_size):
+    """Issue #23: refused before anything changes, naming the child (PyTorch's words, plus the fix);
+    it used to blame "an earlier fully_shard call on a parent module"."""
+    for r in ranks(world_size).run(_hand_wrapped_child_under_a_policy):
+        assert "FSDP auto wrapping requires modules to not already have FSDP applied but found '0'" in r["message"], r
+        assert "Fix:" in r["message"] and r["untouched"], r

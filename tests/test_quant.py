@@ -132,3 +132,30 @@ def test_int8_codec_handles_empty_shards_and_refuses_what_it_cannot_gather():
         with pytest.raises(ValueError, match=r"parameter '1.weight' is sharded on dim 1 .* nothing was changed"):
             model.set_all_gather_codec(Int8AllGather())
         assert all(p.codec is None for g in model._get_fsdp_state().own for p in g.params)
+
+
+def _nonfinite_weight(bad: float) -> dict:
+    """One weight of block 0 set to ``bad`` on the rank holding it: the int8 all-gather must deliver
+    a non-finite row (issue #23: a NaN scale was replaced by 1 and the row arrived finite)."""
+    from fully_shard import fully_shard
+    from fully_shard.quant import Int8AllGather
+    from rank_utils import cpu_mesh
+
+    rank, w = world()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    fully_shard(model[0], mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    model.set_all_gather_codec(Int8AllGather())
+    with torch.no_grad():
+        local = model[0].weight.to_local()
+        if rank == 0:
+            local[0, 1] = bad
+    out = model(torch.ones(3, 4))
+    return {"finite": bool(torch.isfinite(out).all())}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_all_gather_keeps_a_nonfinite_weight_nonfinite(ranks, world_size, bad):
+    assert ranks(world_size).run(_nonfinite_weight, bad) == [{"finite": False}] * world_size

@@ -741,3 +741,39 @@ def test_an_optimizer_built_while_unsharded_is_refused(ranks, world_size, reshar
         else:
             assert "in its unsharded form" in r["message"] and "Fix:" in r["message"], r
             assert "model.reshard()" in r["message"], r
+
+
+def _forward_inside_unsharded(writeback: bool) -> dict:
+    """Evaluate, edit a weight, evaluate again, all inside ``unsharded()``: a forward inside the block
+    keeps the parameters unsharded (it resharded them, and the write-back then crashed: issue #23),
+    and the edit is written back (or dropped) as the block says."""
+    from fully_shard import fully_shard, unsharded
+
+    rank, w = world()
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    x, _ = mlp_batch(0)
+    with torch.no_grad():
+        with unsharded(model, writeback=writeback):
+            first = model(x) - ref(x)
+            model[0][0].weight.add_(0.5)
+            inside = (model(x) - _edited(ref)(x)).abs().max().item()
+        after = model(x)
+    expected = _edited(ref) if writeback else ref
+    return {"first": first.abs().max().item(), "inside": inside, "after": (after - expected(x)).abs().max().item(),
+            "param_diff": max_param_diff(model, expected)}
+
+
+def _edited(ref):
+    edited = copy.deepcopy(ref)
+    with torch.no_grad():
+        edited[0][0].weight.add_(0.5)
+    return edited
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("writeback", [True, False])
+def test_a_forward_inside_unsharded_keeps_the_block_and_its_edits(ranks, world_size, writeback):
+    for r in ranks(world_size).run(_forward_inside_unsharded, writeback):
+        assert max(r.values()) <= TOL64, r

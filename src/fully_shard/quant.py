@@ -35,7 +35,8 @@ class Int8AllGather:
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], None]:
         rows = tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:])).float()  # any size, zero rows too
         scale = rows.abs().amax(dim=1) / 127.0 if rows.shape[1] else rows.new_ones(rows.shape[0])
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale works
+        # All-zero rows: any scale works. A NaN or inf scale stays, so the row arrives non-finite.
+        scale = torch.where((scale > 0) | ~torch.isfinite(scale), scale, torch.ones_like(scale))
         q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return (q.view(tensor.shape), scale), None
 

@@ -52,6 +52,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
         group.unshard(Reason.UNSHARDED_CONTEXT)
     for group in groups:
         group.wait_for_unshard()
+        group.pins += 1  # a forward inside the block keeps them unsharded
     completed = False
     try:
         yield model
@@ -59,6 +60,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
     finally:
         with torch.no_grad():
             for group in groups:
+                group.pins -= 1
                 if writeback and completed:
                     for p in group.params:
                         _write_back(p)

@@ -121,7 +121,7 @@ class FullyShardedDataParallel(nn.Module):
         device_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         # Every argument is checked before anything changes.
-        _check_module(module)
+        _check_module(module, auto_wrap_policy)
         args = _Arguments(
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,
@@ -529,11 +529,21 @@ class FullyShardedDataParallel(nn.Module):
                 state.update_settings(reduce_dtype=dtype)
 
 
-def _check_module(module: nn.Module) -> None:
+def _check_module(module: nn.Module, auto_wrap_policy: Any) -> None:
     if isinstance(module, FullyShardedDataParallel):
         raise ValueError(
             "FullyShardedDataParallel got a module that is already a FullyShardedDataParallel; wrap it once."
         )
+    if auto_wrap_policy is None:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, FullyShardedDataParallel):  # PyTorch's FSDP refuses this too, in these words
+            raise ValueError(
+                f"FSDP auto wrapping requires modules to not already have FSDP applied but found '{name}' in "
+                f"{type(module).__name__}: it was wrapped by hand before this auto_wrap_policy call. Nothing "
+                "was changed. Fix: let the policy wrap it (do not wrap it yourself), or wrap the parent "
+                "without auto_wrap_policy."
+            )
 
 
 def _summon_roots(
