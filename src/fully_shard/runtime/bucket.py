@@ -70,6 +70,7 @@ class Bucket:
             if (
                 (g.is_unsharded or g._all_gather is not None)
                 and not g.forward_users
+                and not g.pins  # an ``unsharded()`` block holds it
                 and self.follows_schedule(g)
             ):
                 g.reshard()

@@ -180,7 +180,7 @@ class FSDPParamGroup:
         # States between their pre- and post-forward that use these parameters (the owner and
         # modules tied to them): the last one out reshards.
         self.forward_users: set[int] = set()
-        self.pins = 0  # open ``unsharded()`` blocks holding it unsharded: reshard() waits for the last
+        self.pins = 0  # open ``unsharded()`` blocks: a forward inside one does not reshard it
         # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the host.
         self.offload_events: list[torch.Event] = []
         self.settings = Settings()  # the owning call's, frozen; its state hands it over
@@ -440,10 +440,7 @@ class FSDPParamGroup:
     # -- reshard ---------------------------------------------------------------------------------
 
     def reshard(self) -> None:
-        """Free the unsharded parameters and point the modules at the shards (idempotent; not while
-        an ``unsharded()`` block holds them: a forward inside one keeps them)."""
-        if self.pins:
-            return
+        """Free the unsharded parameters and point the modules at the shards (idempotent)."""
         if self._all_gather is not None:  # prefetched, never used: let it land before dropping its buffer
             self._all_gather.pending.wait()
             self._all_gather = None
@@ -455,8 +452,6 @@ class FSDPParamGroup:
 
     def reshard_to_post_forward(self) -> None:
         """Keep only this rank's share of the unsharded parameters over the smaller group."""
-        if self.pins:
-            return
         assert self.post_forward is not None
         if not self.is_unsharded:
             return

@@ -648,8 +648,9 @@ class FSDPState:
         with record_function(f"FSDP::post_forward {self.fqn}"):
             for g in self.groups:
                 g.forward_users.discard(id(self))
-                if g.forward_users:
-                    continue  # a module still inside its forward uses these parameters (tied weights)
+                if g.forward_users or g.pins:
+                    continue  # a module still inside its forward uses these parameters (tied weights),
+                    # or an ``unsharded()`` block holds them
                 if not grad_enabled or self.reshard_after_forward is True:
                     g.reshard()
                 elif type(self.reshard_after_forward) is int and g.post_forward is not None:
