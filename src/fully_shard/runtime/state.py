@@ -754,7 +754,9 @@ class FSDPState:
             results += g.post_backward(
                 reason,
                 sync=s.requires_gradient_sync,
-                reshard=s.reshard_after_backward,
+                # create_graph=True (grad mode on in backward): a second backward through this graph
+                # (a gradient penalty) needs the unsharded parameters; it reshards them.
+                reshard=s.reshard_after_backward and not torch.is_grad_enabled(),
                 bucketed=self.default_schedule,
             )
         self.root_context().start_reduce(results)
