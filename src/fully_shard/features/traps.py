@@ -57,8 +57,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "fully_shard (e.g. torch.optim.AdamW(model.parameters()) once every call has run), and "
                 "apply fully_shard to the root so every module sharing the weight is covered."
             )
-        if owner is None and unsharded_owner(p) is not None:
-            _refuse_unsharded(optimizer, unsharded_owner(p))
+        if owner is None and (gathered := unsharded_owner(p)) is not None:
+            _refuse_unsharded(optimizer, gathered)
         if owner is not None:
             managed.append(owner)
         elif not isinstance(p, DTensor) and p not in _ignored:

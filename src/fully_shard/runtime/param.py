@@ -151,10 +151,7 @@ class FSDPParam:
                 self.group.needs_sync = True
             return None
         place = next(p for p in self.places if p.module is module and p.name == name)
-        self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
-        register_sharded(self)
-        for other in self.places:  # tied places stay tied
-            other.set(self.sharded_param)
+        self._take_over(new, place)
         self.group.needs_sync = True  # the new local tensor moves into the all-gather's storage
         return self.sharded_param
 
@@ -536,11 +533,15 @@ class FSDPParam:
                 break
         else:
             return False
-        self.sharded_param = self._accept_replacement(current, self._path(place.fqn))
+        self._take_over(current, place)
+        return True
+
+    def _take_over(self, new: object, place: ParamPlace) -> None:
+        """Make what was assigned at ``place`` the sharded parameter (refused if it cannot be)."""
+        self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
         register_sharded(self)
         for p in self.places:  # tied places stay tied
             p.set(self.sharded_param)
-        return True
 
     def _accept_replacement(self, new: object, fqn: str) -> nn.Parameter:
         mesh, placements, shape = self._spec()
