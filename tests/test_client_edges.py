@@ -35,6 +35,43 @@ def _other_weights() -> nn.Sequential:
     return other
 
 
+# -- p.data = t on a sharded parameter ------------------------------------------------------
+
+
+def _data_assignment(what: str) -> dict:
+    """``p.data = t`` replaces only the DTensor wrapper's metadata (PyTorch's fully_shard ignores it
+    silently): refused at the next forward, naming the parameter and the fix, with the wrapper put
+    back, so training after the refusal equals the float64 reference."""
+    from fully_shard import fully_shard
+
+    model, ref = make_mlp(), make_mlp()
+    shard_mlp(model, "nested", True, fully_shard)
+    p = model[0][0].weight
+    new = {
+        "full": lambda: torch.zeros(p.shape, dtype=p.dtype),
+        "other_shape": lambda: torch.zeros(2, 3, dtype=p.dtype),
+        "dtensor": lambda: distribute_tensor(torch.zeros(p.shape, dtype=p.dtype), p.device_mesh, p.placements),
+    }[what]()
+    p.data = new
+    try:
+        _forward_diff(model, ref)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    shape_back = tuple(p.shape) == (13, 7)
+    result = _train_pair(model, ref, mlp_batch, _mlp_loss, steps=2)
+    return {"error": error, "shape_back": shape_back, **result}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+@pytest.mark.parametrize("what", ["full", "other_shape", "dtensor"])
+def test_data_assignment_on_a_sharded_parameter_is_refused(ranks, world_size, what):
+    for r in ranks(world_size).run(_data_assignment, what):
+        assert "parameter 0.0.weight: '.data' was assigned a new tensor" in r["error"], r
+        assert "p.copy_(distribute_tensor(t" in r["error"] and r["shape_back"], r
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
 # -- assigned parameters -----------------------------------------------------------------------
 
 

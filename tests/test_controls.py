@@ -336,7 +336,103 @@ def test_failed_backward_is_detected_without_reset(ranks, world_size):
         assert r["failed"] and r["param_diff"] <= TOL64, r
 
 
+def _failed_micro_batch(where: str, reset: bool) -> dict:
+    """Three micro-batches per step, the first two without gradient sync; the second raises (in
+    forward or in backward) and is caught. A failed forward made no gradient: the step counts
+    micro-batches 0 and 2. A failed backward had added part of its gradient to the accumulated
+    ones (autograd adds in place), so the whole accumulation window is dropped, with a warning
+    saying so: the step counts micro-batch 2."""
+    import warnings
+
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = make_mlp()
+    model[1] = Flaky(model[1])
+    ref = copy.deepcopy(model)
+    shard_mlp(model, "nested", True, fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    messages: list[str] = []
+    for step in range(2):
+        for i in range(3):
+            x, y = mlp_batch(10 * step + i)
+            model.set_requires_gradient_sync(i == 2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if i == 1:
+                    model[1].armed = where
+                    try:
+                        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+                    except RuntimeError:
+                        pass
+                    model[1].armed = ""
+                    if reset:
+                        model.reset_iter_state()
+                else:
+                    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            messages += [str(c.message) for c in caught]
+            if i == 2 or (i == 0 and where == "forward"):
+                _mlp_loss(ref, x, y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    dropped = sum("accumulated without gradient sync" in m for m in messages)
+    return {"param_diff": max_param_diff(model, ref), "dropped_warnings": dropped}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_failed_micro_batch_is_dropped_whole(ranks, world_size, where, reset):
+    for r in ranks(world_size).run(_failed_micro_batch, where, reset):
+        assert r["param_diff"] <= TOL64, r
+        # the warning comes from reset_iter_state or, without it, from the next forward
+        assert r["dropped_warnings"] == (2 if where == "backward" else 0), r
+
+
 # -- gather-full-parameters context ------------------------------------------------------------
+
+
+def _writeback_of_a_lossy_gather(lossy: str) -> dict:
+    """``unsharded(writeback=True)`` where the gathered parameters are not the shards' exact values
+    (int8 all-gather, bf16 ``param_dtype``): what the block did not edit keeps its exact float32
+    value, a forward inside changes nothing, and an edited row arrives as written."""
+    from fully_shard import MixedPrecisionPolicy, fully_shard, unsharded
+    from fully_shard.quant import Int8AllGather
+
+    rank, w = world()
+    model = make_mlp(torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if lossy == "bf16" else None)
+    for block in model[:3]:
+        fully_shard(block, mesh=cpu_mesh(), mp_policy=mp)
+    fully_shard(model, mesh=cpu_mesh(), mp_policy=mp)
+    if lossy == "int8":
+        model.set_all_gather_codec(Int8AllGather())
+    before = {n: full(p).clone() for n, p in model.named_parameters()}
+    x, _ = mlp_batch(0, torch.float32)
+    with torch.no_grad(), unsharded(model, writeback=True):
+        model(x.chunk(w)[rank])
+    untouched = [n for n, p in model.named_parameters() if not torch.equal(full(p), before[n])]
+    with torch.no_grad(), unsharded(model, writeback=True):
+        model[0][0].weight[1].fill_(0.5)
+    after = {n: full(p) for n, p in model.named_parameters()}
+    expected = before["0.0.weight"].clone()
+    expected[1] = 0.5
+    others = [n for n in before if n != "0.0.weight" and not torch.equal(after[n], before[n])]
+    return {
+        "changed_without_edits": untouched,
+        "edit": torch.equal(after["0.0.weight"], expected),
+        "others": others,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("lossy", ["int8", "bf16"])
+def test_writeback_changes_only_what_the_block_edited(ranks, world_size, lossy):
+    for r in ranks(world_size).run(_writeback_of_a_lossy_gather, lossy):
+        assert r["changed_without_edits"] == [] and r["edit"] and r["others"] == [], r
 
 
 def _unsharded_context(writeback: bool) -> dict:

@@ -338,6 +338,54 @@ def _forward_without_backward_then_step() -> dict:
     return {"loss_diff": max(diffs), "param_diff": max_param_diff(model, ref)}
 
 
+class _DataSGD(torch.optim.Optimizer):
+    """SGD that writes through ``p.data`` (as older optimizers do): below every version counter."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _data_updates_while_unsharded(kept: str) -> dict:
+    """Parameters kept unsharded across the optimizer step (the root after a forward whose backward
+    never ran, or every block with ``reshard_after_backward=False``), and an optimizer that updates
+    through ``p.data``, which no version counter sees: the optimizer's step still marks the
+    unsharded copies stale, so the next forward gathers the new values."""
+    rank, w = world()
+    model, ref = nested_mlp_and_reference()
+    if kept == "after_backward":
+        model.set_reshard_after_backward(False)
+    opt, ref_opt = _DataSGD(model.parameters(), lr=0.1), _DataSGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = mlp_batch(step)
+        _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        _mlp_loss(ref, x, y).backward()
+        if kept == "validation_forward":
+            _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])  # no backward for this one
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    x, y = mlp_batch(9)
+    loss_diff = abs(
+        global_mean(_mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank])) - _mlp_loss(ref, x, y).item()
+    )
+    return {"loss_diff": loss_diff, "param_diff": max_param_diff(model, ref)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("kept", ["validation_forward", "after_backward"])
+def test_optimizer_writing_through_data_while_unsharded(ranks, world_size, kept):
+    for r in ranks(world_size).run(_data_updates_while_unsharded, kept):
+        assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
 def _eval_under_no_grad() -> dict:
     """Evaluation under no_grad matches the reference and keeps nothing unsharded, root included."""
 

@@ -329,6 +329,8 @@ class FSDPModule:
         for state in self._fsdp_states(recurse=True):
             for g in state.own:
                 g.discard_unsharded_grads()
+            if state.ctx is not None and state.is_root:
+                state.ctx.unsynced_backwards = 0
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard every module under this root and drop

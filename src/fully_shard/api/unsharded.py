@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,7 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
     for group in groups:
         group.wait_for_unshard()
         group.pins += 1  # a forward inside the block keeps them unsharded
+    gathered = {id(p): _lossy_chunk(p) for g in groups for p in g.params} if writeback else {}
     completed = False
     try:
         yield model
@@ -63,16 +64,36 @@ def unsharded(model: nn.Module, *, writeback: bool = False, recurse: bool = True
                 group.pins -= 1
                 if writeback and completed:
                     for p in group.params:
-                        _write_back(p)
+                        _write_back(p, gathered[id(p)])
                 if id(group) not in kept:
                     group.reshard()
 
 
-def _write_back(p: FSDPParam) -> None:
+def _own_chunk(p: FSDPParam) -> torch.Tensor:
+    """This rank's chunk of the unsharded parameter (a view)."""
     unsharded = p.unsharded_param
     assert unsharded is not None
     full = unsharded.detach()
     if isinstance(full, DTensor):  # tensor parallel: this rank's TP-local tensor
         full = full.to_local()
+    return p.local_chunk(full)
+
+
+def _lossy_chunk(p: FSDPParam) -> Optional[torch.Tensor]:
+    """A copy of this rank's chunk as gathered, where it is not the shard's exact value (a lower
+    ``param_dtype``, an extension such as the int8 all-gather); else None."""
+    chunk = _own_chunk(p)
+    if chunk.dtype == p.local_shard.dtype and p.ext is None:
+        return None
+    return chunk.clone()
+
+
+def _write_back(p: FSDPParam, gathered: Optional[torch.Tensor]) -> None:
+    """Copy this rank's chunk into the shard; where the gather was lossy (``gathered``), only the
+    elements the block changed, so the others keep their exact values."""
+    chunk, local = _own_chunk(p), p.local_shard
+    if gathered is not None:
+        same = (chunk == gathered) | (chunk.isnan() & gathered.isnan())
+        chunk = torch.where(same, local, chunk.to(local.dtype))
     # In place, so the version counter moves and no group reuses a copy gathered before the write.
-    p.local_shard.copy_(p.local_chunk(full))
+    local.copy_(chunk)

@@ -5,6 +5,11 @@ model does not train through (raised). One that also holds plain parameters no `
 call manages steps them with each rank's own gradients, so ranks drift apart (warned once per
 optimizer). One global step pre-hook looks at each optimizer again only when its parameter count
 changes.
+
+An optimizer that writes through ``p.data`` changes the shards below every version counter, so a
+group holding an unsharded copy across the step (the root after a forward whose backward never ran,
+``reshard_after_backward=False``) would not see it: one global step post-hook marks the copies of
+the groups the optimizer steps as stale.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..runtime.registry import manager_of, unsharded_owner
 
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# optimizer -> (its parameter count when checked, the groups of the managed parameters it steps)
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
 _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user asked fully_shard to leave alone
 _installed = False
 
@@ -29,6 +35,7 @@ def install_optimizer_check() -> None:
     global _installed
     if not _installed:
         register_optimizer_step_pre_hook(_check_optimizer)
+        register_optimizer_step_post_hook(_mark_copies_stale)
         _installed = True
 
 
@@ -41,7 +48,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     count = 0
     for group in optimizer.param_groups:
         count += len(group["params"])
-    if _checked.get(optimizer) == count:
+    if (seen := _checked.get(optimizer)) is not None and seen[0] == count:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     managed, plain = [], []
@@ -63,7 +70,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             managed.append(owner)
         elif not isinstance(p, DTensor) and p not in _ignored:
             plain.append(p)
-    _checked[optimizer] = count
+    _checked[optimizer] = (count, list({id(m.group): m.group for m in managed}.values()))
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
         warnings.warn(
@@ -74,6 +81,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "that is what you want.",
             stacklevel=3,
         )
+
+
+def _mark_copies_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    seen = _checked.get(optimizer)
+    for group in seen[1] if seen is not None else ():
+        if group.holds_copy:
+            group.needs_sync = True
 
 
 def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:

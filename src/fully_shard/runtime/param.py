@@ -134,8 +134,10 @@ class FSDPParam:
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: summed over shards, not yet replicas
-        # The local tensor last taken over: another one means something swapped it (notice_changes).
-        self._seen_local: Optional[torch.Tensor] = None
+        # The local tensor last taken over and its wrapper's storage (`wrapper_key`): another local
+        # tensor means something swapped it, another storage a ``p.data = t`` (notice_changes).
+        self._seen: Optional[tuple[torch.Tensor, int]] = None
+        self._mark_seen()
         register_sharded(self)
         register_places(self, places)
         for place in places:
@@ -192,7 +194,7 @@ class FSDPParam:
         new = copy_fields(
             self,
             memo,
-            _seen_local=param._local_tensor,
+            _seen=(param._local_tensor, wrapper_key(param)),
             unsharded_param=None,
             ext=None,
             padded_unsharded=empty,
@@ -517,14 +519,33 @@ class FSDPParam:
             self.requires_grad = self.sharded_param.requires_grad
             if self.unsharded_param is not None:
                 self.unsharded_param.requires_grad_(self.requires_grad)
-        local = self.local_shard
-        if local is self._seen_local and not changed:
+        local, seen = self.local_shard, self._seen
+        if seen is not None and local is seen[0] and not changed:
             return frozen_or_thawed
         self._rehome(local, adopt_device)
-        # A meta shard stays unseen, refused each iteration until real (on a meta mesh: a simulation).
-        unseen = local.is_meta and self.where.info.device.type != "meta"
-        self._seen_local = None if unseen else self.local_shard
+        self._mark_seen()
         return True
+
+    def _mark_seen(self) -> None:
+        # A meta shard stays unseen, refused each iteration until real (on a meta mesh: a simulation).
+        local = self.local_shard
+        unseen = local.is_meta and self.where.info.device.type != "meta"
+        self._seen = None if unseen else (local, wrapper_key(self.sharded_param))
+
+    def refuse_data_assignment(self) -> None:
+        """``p.data = t`` on the sharded parameter replaced only its DTensor wrapper's metadata, not
+        the shard DTensor computes with: put the wrapper back and say so."""
+        param = self.sharded_param
+        param.data = self._make_sharded_param(self.local_shard).detach()
+        self._mark_seen()
+        raise ValueError(
+            f"parameter {self.path}: '.data' was assigned a new tensor after fully_shard sharded it. The "
+            "parameter is a DTensor over this rank's shard, and 'p.data = t' replaces only its wrapper, so "
+            "the new values would be silently ignored (as PyTorch's fully_shard ignores them); nothing was "
+            "changed. Fix: copy the values in, 'with torch.no_grad(): p.copy_(distribute_tensor(t, "
+            "p.device_mesh, p.placements))', or assign a new parameter ('module.weight = nn.Parameter(t)' "
+            "or load_state_dict(..., assign=True)), which fully_shard takes over."
+        )
 
     def _adopt_assigned(self) -> bool:
         for place in self.places:
@@ -662,6 +683,11 @@ def _padded_rows(moved: torch.Tensor, rows: int, first: int, count: int) -> torc
     stop = min((first + count) * rows, moved.shape[0])
     out[: stop - start].copy_(moved[start:stop])
     return out
+
+
+def wrapper_key(param: torch.Tensor) -> int:
+    """The storage of a DTensor's wrapper: ``p.data = t`` replaces it (and nothing DTensor reads)."""
+    return param.untyped_storage()._cdata
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

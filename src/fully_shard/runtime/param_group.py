@@ -22,7 +22,7 @@ from .collective import HOOK_DRIVEN, Collective, Op, Reason
 from .comm import CommContext, Pending
 from .copying import copy_fields, refuse_busy
 from .lifecycle import GROUP_STATES, ShardedState, advance
-from .param import FSDPParam
+from .param import FSDPParam, wrapper_key
 from .settings import Settings
 
 
@@ -235,19 +235,21 @@ class FSDPParamGroup:
     def notice_changes(self) -> None:
         """Set ``needs_sync`` on what no event reports (checked once per iteration and before an
         explicit unshard): a shard's local tensor swapped, ``requires_grad`` flipped, a shard written
-        while an unsharded copy is held, a parameter deleted or set to None.
+        while an unsharded copy is held, a parameter deleted or set to None; ``p.data = t`` raises.
 
         DTensor writes its local tensor below autograd, so the local version counter misses
         optimizer steps and ``load_state_dict`` while the DTensor's sees them, and the DTensor's
         misses writes through ``to_local()``: the sum sees both."""
-        holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
-        versions = self._gathered_versions if holds_copy else None
+        versions = self._gathered_versions if self.holds_copy else None
         for i, p in enumerate(self.params):
-            sp = p.sharded_param
+            sp, seen = p.sharded_param, p._seen
             local = sp._local_tensor
+            if seen is not None and local is seen[0] and wrapper_key(sp) != seen[1]:
+                p.refuse_data_assignment()  # p.data = t
             if (
                 sp.requires_grad != p.requires_grad
-                or local is not p._seen_local
+                or seen is None
+                or local is not seen[0]
                 or (versions is not None and versions[i] != sp._version + local._version)
             ):
                 self.needs_sync = True
@@ -434,8 +436,12 @@ class FSDPParamGroup:
     def is_stale(self) -> bool:
         """Whether this group holds an unsharded copy it must not use (`needs_sync`)."""
         self.notice_changes()
-        holds_copy = self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
-        return holds_copy and self.needs_sync
+        return self.holds_copy and self.needs_sync
+
+    @property
+    def holds_copy(self) -> bool:
+        """Whether an unsharded copy of the shards exists (gathered, or being gathered)."""
+        return self.sharded_state is not ShardedState.SHARDED or self._all_gather is not None
 
     # -- reshard ---------------------------------------------------------------------------------
 
@@ -522,10 +528,13 @@ class FSDPParamGroup:
             event.synchronize()
         self.offload_events.clear()
 
-    def discard_unsharded_grads(self) -> None:
+    def discard_unsharded_grads(self) -> bool:
+        """Drop every unreduced gradient; whether there was one."""
+        dropped = False
         for p in self.trainable:
-            p.take_unsharded_grad()
+            dropped = p.take_unsharded_grad() is not None or p.partial_reduce is not None or dropped
             p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
+        return dropped
 
     def reduce_scatter(
         self, params: list[FSDPParam], grads: list[torch.Tensor | None], reason: Reason, name: str

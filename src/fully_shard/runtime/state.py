@@ -62,6 +62,7 @@ class RootContext:
         self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
         self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
+        self.unsynced_backwards = 0  # backwards run without gradient sync since the last synchronised one
 
     def name(self) -> str:
         return f"root {class_name(self.root.modules[0])}"
@@ -165,7 +166,7 @@ class RootContext:
             "reset_iter_state() yourself after catching such an exception to silence this).",
             stacklevel=4,
         )
-        self.reset_iteration()
+        self.reset_failed_backward()
         self.start_iteration()
 
     def begin_backward(self) -> None:
@@ -199,6 +200,8 @@ class RootContext:
         """Reduce what the post-backward signals missed; after the last backward before the
         optimizer step, wait for every reduction."""
         with record_function("FSDP::backward_end"):
+            synced = all(s.settings.requires_gradient_sync for s in self.states if s.own)
+            self.unsynced_backwards = 0 if synced else self.unsynced_backwards + 1
             for state in self.states:
                 state.finish_backward()
             for bucket in self.buckets:  # gradients of members whose bucket-mates did not run
@@ -215,16 +218,40 @@ class RootContext:
                     self.gradient_check.conclude()
 
     def reset_iteration(self) -> None:
-        """Forget a failed iteration: reshard everything, drop its unreduced gradients."""
+        """Forget a forward that raised: reshard everything. It made no gradient, so those of earlier
+        micro-batches stay (accumulated without sync, or still being reduced)."""
+        self.finish_pending_reduce()
+        for state in self.states:
+            state.reset()
+        self.post_forward_order.clear()
+
+    def reset_failed_backward(self) -> None:
+        """Forget a backward that raised: reshard everything and drop every unreduced gradient.
+        Autograd had added part of the failed micro-batch's gradients in place to those accumulated
+        without sync since the last synchronised backward: they cannot be told apart, so the whole
+        accumulation window goes (said in a warning)."""
         if self.pending_reduce is not None:
             for part in self.pending_reduce.parts:
                 part.pending.discard()  # let the collective land before dropping its buffers
             self.pending_reduce = None
         for bucket in self.buckets:
             bucket.discard()
+        dropped = False
         for state in self.states:
             state.reset()
+            for g in state.own:
+                dropped = g.discard_unsharded_grads() or dropped
         self.post_forward_order.clear()
+        if self.unsynced_backwards and dropped:
+            warnings.warn(
+                f"fully_shard: the backward that raised came after {self.unsynced_backwards} backward(s) "
+                "whose gradients were accumulated without gradient sync (set_requires_gradient_sync(False)), "
+                "and autograd had already added part of its own gradients to theirs: all are dropped, so the "
+                "next synchronised backward reduces only the micro-batches from here on. Fix: run the "
+                "earlier micro-batches of this step again, or skip the step (optimizer.zero_grad()).",
+                stacklevel=5,
+            )
+        self.unsynced_backwards = 0
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -775,7 +802,6 @@ class FSDPState:
             g.forward_users.clear()
         for g in self.own:
             g.reshard()
-            g.discard_unsharded_grads()
 
 
 _I, _E = IterationPhase, Event
@@ -795,7 +821,9 @@ ITERATION: dict[tuple[IterationPhase, Event], Entry] = {
     **{(p, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward) for p in (_I.IDLE, _I.FORWARD)},
     (_I.BACKWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD),
     (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, RootContext.finish_backward, then=_I.IDLE),
-    **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for p in IterationPhase},
+    # reset_iter_state(): after a forward that raised, or a backward (its gradients dropped too).
+    **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for p in (_I.IDLE, _I.FORWARD)},
+    **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_failed_backward) for p in (_I.BACKWARD, _I.FINALIZING)},
 }
 
 
