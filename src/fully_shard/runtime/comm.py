@@ -7,6 +7,11 @@
 No ``record_stream``: the all-gather output is dropped once its copy-out is queued, as the
 all-gather stream allocates again only after `CommContext.on` made it wait for the compute stream;
 the reduce-scatter input is held by its `Pending` until the compute stream waits for its event.
+
+Streams and events come from `DeviceStreams` (``torch.Stream`` / ``torch.accelerator``). A test
+mode can install stand-ins for CPU meshes (`set_cpu_streams`, used by
+``fully_shard.tools.stream_check``): the same accelerator branch then runs on CPU tensors while a
+checker orders every access.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,7 +64,7 @@ class Pending:
                         watchdog.wait(self.work, self.what, seconds)
                     self.work = None
         if self.event is not None:
-            torch.accelerator.current_stream().wait_event(self.event)
+            self.event.wait()  # the current stream waits
             self.event = None
         if not self.keeps_output:  # what it read dies before what needs its result runs
             self.keep_alive = ()
@@ -76,18 +82,47 @@ class Pending:
         return self.work is None and self.after is None
 
 
+class DeviceStreams:
+    """An accelerator's streams: new side streams and the current one."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self, name: str) -> torch.Stream:
+        # High priority: collectives gate compute, so let them jump the queue.
+        return torch.Stream(device=self.device, priority=-1)
+
+    def current(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+
+# A test mode's stand-in streams for CPU meshes (`set_cpu_streams`); None: CPU uses none.
+_cpu_streams: Callable[[torch.device], Any] | None = None
+
+
+def set_cpu_streams(factory: Callable[[torch.device], Any] | None) -> None:
+    """From now on, a `CommContext` made for a CPU mesh takes its streams from ``factory(device)``
+    (an object with `DeviceStreams`' methods) and runs the accelerator branch; None turns it off."""
+    global _cpu_streams
+    _cpu_streams = factory
+
+
 class CommContext:
     """The streams of one device, shared by every group under one root."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.uses_streams = device.type not in ("cpu", "meta")  # meta: a simulated step (fully_shard.plan)
+        self.streams: Any = None  # meta: a simulated step (fully_shard.plan), no streams
+        if device.type == "cpu":
+            self.streams = _cpu_streams(device) if _cpu_streams is not None else None
+        elif device.type != "meta":
+            self.streams = DeviceStreams(device)
+        self.uses_streams = self.streams is not None
         self.all_gather_stream: torch.Stream | None = None
         self.reduce_scatter_stream: torch.Stream | None = None
         if self.uses_streams:
-            # High priority: collectives gate compute, so let them jump the queue.
-            self.all_gather_stream = torch.Stream(device=device, priority=-1)
-            self.reduce_scatter_stream = torch.Stream(device=device, priority=-1)
+            self.all_gather_stream = self.streams.new_stream("all_gather")
+            self.reduce_scatter_stream = self.streams.new_stream("reduce_scatter")
         self.observers: list[CollectiveObserver] = []
         # Accelerators overlap through streams (the side stream waits for the collective), the CPU
         # through async work handles, at most ``limit`` at once (``set_collectives_in_flight``).
@@ -107,7 +142,7 @@ class CommContext:
         waiters wait on. CPU: whoever completes the collective runs it (`Pending.wait`)."""
         if self.uses_streams:
             after()
-            pending.event = torch.accelerator.current_stream(self.device).record_event()
+            pending.event = self.streams.current().record_event()
         else:
             pending.after = after
 
@@ -136,7 +171,7 @@ class CommContext:
         if after is not None:
             stream.wait_event(after)
         else:
-            stream.wait_stream(torch.accelerator.current_stream(self.device))
+            stream.wait_stream(self.streams.current())
         with stream:
             yield
 

@@ -690,7 +690,7 @@ class FSDPParamGroup:
             assert self.settings.all_reduce_hook is not None
             self.settings.all_reduce_hook(output)
             return
-        current = torch.accelerator.current_stream(self.info.device)
+        current = self._comm().streams.current()
         stream.wait_stream(current)
         with stream:
             self.settings.all_reduce_hook(output)  # type: ignore[misc]
