@@ -587,7 +587,7 @@ def test_fsdp1_refusals_name_the_argument_and_the_fix():
             F(model)
         with pytest.raises(TypeError, match="only PyTorch's default FSDP hooks"):
             model.register_comm_hook(None, lambda state, grad: grad)
-        with pytest.raises(ValueError, match="writeback=True and rank0_only=True"):
+        with pytest.raises(NotImplementedError, match="writeback=True and rank0_only=True"):
             with F.summon_full_params(model, rank0_only=True):
                 pass
 

@@ -40,7 +40,7 @@ def _label(module: nn.Module, fqn: str) -> str:
     """How an error names the module holding a parameter: its path, or its class at the top."""
     if fqn:
         return f"module '{fqn}'"
-    cls = type(module).__bases__[-1] if is_sharded_module(module) else type(module)
+    cls = getattr(type(module), "_fsdp_original_class", type(module))
     return f"this {cls.__name__}"
 
 

@@ -423,6 +423,8 @@ class _ForwardMethod:
 
 @functools.cache
 def _sharded_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):  # a class that carries the methods itself (FSDP1's wrapper)
+        return cls
     return type(
         f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls}
     )
@@ -434,6 +436,8 @@ class ReplicateModule(FSDPModule):
 
 @functools.cache
 def _replicated_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):
+        return cls
     attrs = {"__module__": cls.__module__, "_fsdp_original_class": cls}
     return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs)
 

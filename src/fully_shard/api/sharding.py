@@ -276,7 +276,7 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module
                 "hooked. Fix: apply fully_shard to the eager module, and use torch.compile for speed."
             )
         if is_sharded_module(m):
-            original = type(m).__bases__[-1].__name__
+            original = getattr(type(m), "_fsdp_original_class", type(m)).__name__
             raise ValueError(
                 f"fully_shard was already applied to this {original}; a module can be sharded once. Fix: "
                 "remove the second call (to change options, rebuild the module)."

@@ -1,7 +1,8 @@
 """Silent traps around ``fully_shard``, caught at the first optimizer step.
 
-An optimizer built before ``fully_shard``, or while the parameters are unsharded, holds tensors the
-model does not train through (raised). One that also holds plain parameters no ``fully_shard``
+An optimizer built before ``fully_shard``, or while the parameters are unsharded, holds tensors
+the model does not train through (raised; FSDP1's ``use_orig_params=True`` registers its
+parameters as rebindable: the optimizer's references are swapped for the sharded ones instead). One that also holds plain parameters no ``fully_shard``
 call manages steps them with each rank's own gradients, so ranks drift apart (warned once per
 optimizer). One global step pre-hook looks at each optimizer again only when its parameter count
 changes.
@@ -28,6 +29,9 @@ from ..runtime.registry import manager_of, unsharded_owner
 # optimizer -> (its parameter count when checked, the groups of the managed parameters it steps)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
 _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user asked fully_shard to leave alone
+# Parameters an optimizer built before sharding may hold and have swapped for their sharded form
+# (FSDP1's use_orig_params=True keeps the original objects working).
+_rebindable: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _installed = False
 
 
@@ -44,15 +48,21 @@ def register_ignored(params: Any) -> None:
         _ignored[p] = True
 
 
+def register_rebindable(params: Any) -> None:
+    """An optimizer that holds one of ``params`` (as it was before sharding) and has no state for it
+    yet gets it swapped for the sharded parameter at its first step, instead of an error."""
+    for p in params:
+        _rebindable[p] = True
+
+
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     count = 0
     for group in optimizer.param_groups:
         count += len(group["params"])
     if (seen := _checked.get(optimizer)) is not None and seen[0] == count:
         return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     managed, plain = [], []
-    for p in params:
+    for p in _rebound(optimizer):
         owner = manager_of(p)
         if owner is not None and owner.sharded_param is not p:
             raise RuntimeError(
@@ -81,6 +91,20 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
             "that is what you want.",
             stacklevel=3,
         )
+
+
+def _rebound(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The optimizer's parameters, each rebindable one held as it was before sharding (with no
+    state yet) swapped in its param group for the sharded parameter."""
+    params = []
+    for group in optimizer.param_groups:
+        held = group["params"]
+        for i, p in enumerate(held):
+            owner = manager_of(p) if p in _rebindable else None
+            if owner is not None and owner.sharded_param is not p and p not in optimizer.state:
+                held[i] = p = owner.sharded_param
+            params.append(p)
+    return params
 
 
 def _mark_copies_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -23,13 +23,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..api.module import engine_state
+from ..api.module import FSDPModule, engine_state
 from ..api.sharding import fully_shard, replicate
 from ..api.clip import clip_grad_norm_ as _clip_grad_norm
 from ..layouts.mesh import default_device_type
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..api.unsharded import unsharded
+from ..features.traps import register_rebindable
 from . import state_dict as sd
+from . import summon
+from .summon import WRAPPED
 from .comm_hooks import comm_hook_dtype
 from .config import (
     BackwardPrefetch,
@@ -49,7 +52,6 @@ from .config import (
 )
 from .wrap import targets_of
 
-WRAPPED = "_fsdp_wrapped_module"
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
@@ -97,9 +99,15 @@ class _Arguments:
         }
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FSDPModule, nn.Module):
     """FSDP1's ``FullyShardedDataParallel``, same arguments and defaults (PyTorch 2.13), on the
-    per-parameter engine. See docs/migrating_from_fsdp1.md for how each argument maps."""
+    per-parameter engine. See docs/migrating_from_fsdp1.md for how each argument maps.
+
+    It carries `FSDPModule`'s methods itself, so ``fully_shard`` keeps its class: ``type(m) is
+    FullyShardedDataParallel`` holds, as scripts (and accelerate) check."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "FullyShardedDataParallel":
+        return nn.Module.__new__(cls)
 
     def __init__(
         self,
@@ -181,6 +189,7 @@ class FullyShardedDataParallel(nn.Module):
     def _init_attributes(self, args: _Arguments) -> None:
         """This instance's own state, set before any nested instance is built."""
         self._fsdp1_nested = False  # set when an enclosing FullyShardedDataParallel is built around this one
+        self._fsdp1_summoning = False  # inside summon_full_params (summon.py)
         self._fsdp1_strategy = args.sharding_strategy
         self._fsdp1_mp = args.mixed_precision
         self._fsdp1_use_orig_params = args.use_orig_params
@@ -207,6 +216,8 @@ class FullyShardedDataParallel(nn.Module):
             cast_forward_inputs=False,  # FSDP1's input casting (root / every instance) happens in forward
         )
         offload = CPUOffloadPolicy() if args.cpu_offload.offload_params else OffloadPolicy()
+        if args.use_orig_params:  # FSDP1 keeps these objects: an optimizer built before keeps working
+            register_rebindable(p for p in self.parameters() if p not in ignored_params)
         if strategy is ShardingStrategy.NO_SHARD:
             replicate(
                 self,
@@ -307,6 +318,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """``fn`` on every submodule and this one, with the full parameters in place (written back)."""
+        summon.refuse_unless_idle(self, "apply")
         with torch.no_grad(), unsharded(self, writeback=True, recurse=False):
             return super().apply(fn)  # type: ignore[return-value]
 
@@ -325,6 +337,12 @@ class FullyShardedDataParallel(nn.Module):
         self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0
     ) -> torch.Tensor:
         """Clip every gradient under this module by their global norm; return that norm (a plain tensor)."""
+        if not self.check_is_root():
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance: the norm is over every "
+                "gradient of the model. Fix: call it on the outermost FullyShardedDataParallel."
+            )
+        summon.refuse_unless_idle(self, "clip_grad_norm_")
         total = _clip_grad_norm(self.parameters(), max_norm, norm_type)
         return total.full_tensor() if isinstance(total, DTensor) else total
 
@@ -339,19 +357,15 @@ class FullyShardedDataParallel(nn.Module):
         with_grads: bool = False,
     ) -> Iterator[None]:
         """The full parameters in place inside the block (FSDP1's semantics; see the docs)."""
-        roots = _summon_roots(module, writeback, rank0_only, offload_to_cpu)
-        with contextlib.ExitStack() as stack:
-            for r in roots:
-                stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
-            if (
-                rank0_only and dist.get_rank() != 0
-            ):  # only rank 0 sees the full parameters; the others gathered for it
-                for r in roots:
-                    for m in FullyShardedDataParallel.fsdp_modules(r) if recurse else [r]:
-                        m.reshard()
-            elif with_grads:
-                stack.callback(sd.show_full_grads(roots))
+        with summon.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """``nn.Module``'s; inside summon_full_params without the ``_fsdp_wrapped_module.`` segments."""
+        return summon.clean_names(self, super().named_parameters(*args, **kwargs))
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return summon.clean_names(self, super().named_buffers(*args, **kwargs))
 
     # -- state dicts --------------------------------------------------------------------------------
 
@@ -544,35 +558,6 @@ def _check_module(module: nn.Module, auto_wrap_policy: Any) -> None:
                 "was changed. Fix: let the policy wrap it (do not wrap it yourself), or wrap the parent "
                 "without auto_wrap_policy."
             )
-
-
-def _summon_roots(
-    module: nn.Module, writeback: bool, rank0_only: bool, offload_to_cpu: bool
-) -> list[FullyShardedDataParallel]:
-    """The instances ``summon_full_params(module, ...)`` gathers (``module`` itself, or the roots
-    under it), once its arguments are checked."""
-    if rank0_only and writeback:
-        raise ValueError(
-            "writeback=True and rank0_only=True is not supported, as model parameter shapes will be "
-            "different across ranks, and writing to them can lead to inconsistencies across ranks when "
-            "the context is exited."
-        )
-    roots = (
-        [module]
-        if isinstance(module, FullyShardedDataParallel)
-        else FullyShardedDataParallel.fsdp_modules(module, root_only=True)
-    )
-    if not roots:
-        raise ValueError(
-            f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside."
-        )
-    if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
-        raise ValueError(
-            "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full "
-            "parameters stay on the device inside the block. Fix: for a CPU copy, use model.state_dict() "
-            "under state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
-        )
-    return roots
 
 
 def _model_settings(model: nn.Module) -> StateDictSettings:

@@ -1,0 +1,130 @@
+"""FSDP1's ``summon_full_params`` and its training-state rules on the engine: the full parameters
+in place inside the block (``fully_shard.unsharded``), the instances inside it marked so that
+``named_parameters()`` / ``named_buffers()`` drop the ``_fsdp_wrapped_module.`` segment, and the
+errors FSDP1 raises for a summon during forward/backward or inside another summon, and for
+``apply()`` inside one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..api.module import engine_state
+from ..api.unsharded import unsharded
+from ..runtime.lifecycle import IterationPhase, TrainingPhase
+from . import state_dict as sd
+
+WRAPPED = "_fsdp_wrapped_module"
+
+
+def instances(module: nn.Module) -> list[Any]:
+    """The FSDP1 instances under ``module`` (itself included)."""
+    return [m for m in module.modules() if "_fsdp1_summoning" in m.__dict__]
+
+
+def busy_with(m: nn.Module) -> str:
+    """What FSDP1 would call instance ``m``'s training state, if not IDLE: "" when idle."""
+    if m.__dict__["_fsdp1_summoning"]:
+        return "SUMMON_FULL_PARAMS"
+    state = engine_state(m)
+    assert state is not None
+    ctx = state.ctx
+    if state.phase is not TrainingPhase.IDLE or (
+        ctx is not None and ctx.phase in (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
+    ):
+        return "FORWARD_BACKWARD"
+    return ""
+
+
+def refuse_unless_idle(m: nn.Module, method: str) -> None:
+    """FSDP1's ``_assert_state(TrainingState.IDLE)``: a ValueError, in its words, plus the fix."""
+    busy = busy_with(m)
+    if busy:
+        raise ValueError(
+            f"expected to be in states [<TrainingState.IDLE: 1>] but current state is TrainingState.{busy}: "
+            f"{method}() gathers the full parameters, which is only possible between steps and outside "
+            "summon_full_params. Fix: call it after backward, outside the summon_full_params block."
+        )
+
+
+def _refuse_summon(targets: list[nn.Module]) -> None:
+    for m in targets:
+        busy = busy_with(m)
+        if busy == "FORWARD_BACKWARD":
+            raise AssertionError(
+                "Cannot manually unshard parameters during forward/backward: summon_full_params inside a "
+                "forward or a backward hook would free what the step is using. Fix: summon between steps."
+            )
+        if busy:
+            raise AssertionError(
+                "Cannot manually unshard parameters when already unsharding parameters: this instance is "
+                "already inside a summon_full_params block. Fix: use the outer block's full parameters."
+            )
+
+
+def _roots(module: nn.Module, writeback: bool, rank0_only: bool, offload_to_cpu: bool) -> list[nn.Module]:
+    """The instances ``summon_full_params(module, ...)`` gathers (``module`` itself, or the roots
+    under it), once its arguments are checked."""
+    if rank0_only and writeback:
+        raise NotImplementedError(
+            "writeback=True and rank0_only=True is not supported yet: parameter shapes differ across ranks "
+            "(only rank 0 sees the full ones), so writing them back would leave the ranks inconsistent. "
+            "Fix: writeback=False with rank0_only=True."
+        )
+    found = instances(module)
+    roots = [module] if found and found[0] is module else [m for m in found if m.check_is_root()]
+    if not roots:
+        raise ValueError(
+            f"summon_full_params got a {type(module).__name__} with no FullyShardedDataParallel inside."
+        )
+    if offload_to_cpu and any(p.device.type != "cpu" for r in roots for p in r.parameters()):
+        raise ValueError(
+            "summon_full_params(offload_to_cpu=True) is not supported on accelerators: the full "
+            "parameters stay on the device inside the block. Fix: for a CPU copy, use model.state_dict() "
+            "under state_dict_type(FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True))."
+        )
+    return roots
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    """The full parameters in place inside the block (FSDP1's semantics; docs/migrating_from_fsdp1.md)."""
+    roots = _roots(module, writeback, rank0_only, offload_to_cpu)
+    targets = [m for r in roots for m in (instances(r) if recurse else [r])]
+    _refuse_summon(targets)
+    with contextlib.ExitStack() as stack:
+        for r in roots:
+            stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
+        if rank0_only and dist.get_rank() != 0:  # only rank 0 sees the full parameters
+            for m in targets:
+                m.reshard()
+        elif with_grads:
+            stack.callback(sd.show_full_grads(roots))
+        for m in targets:
+            m.__dict__["_fsdp1_summoning"] = True
+        try:
+            yield
+        finally:
+            for m in targets:
+                m.__dict__["_fsdp1_summoning"] = False
+
+
+def clean_names(m: nn.Module, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Inside summon_full_params, names without the ``_fsdp_wrapped_module.`` segments (FSDP1's)."""
+    if not m.__dict__.get("_fsdp1_summoning"):
+        yield from named
+        return
+    for name, value in named:
+        yield name.replace(WRAPPED + ".", ""), value

@@ -1,0 +1,168 @@
+"""Issue #24: what FSDP1 scripts rely on beyond losses, each checked against PyTorch's own
+``FullyShardedDataParallel`` running the same script (the oracle) and, for training, a float64
+single-process reference: the class of an instance, an optimizer built before wrapping, names and
+training-state rules around ``summon_full_params`` / ``apply`` / ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _parity import TOL64
+from rank_utils import world
+
+
+class Block(nn.Module):
+    def __init__(self, a: int, b: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(a, b)
+        self.norm = nn.LayerNorm(b)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.lin(x)))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(7, 13), Block(13, 11), nn.Linear(11, 3)).double()
+    model[0].register_buffer("seen", torch.zeros(2, dtype=torch.float64))
+    return model
+
+
+def _lib(which: str):
+    if which == "ours":
+        import fully_shard.fsdp1 as lib
+    else:
+        import torch.distributed.fsdp as lib
+    return lib
+
+
+def _wrap(which: str, model: nn.Module, use_orig_params: bool = True) -> nn.Module:
+    lib = _lib(which)
+    fsdp = lib.FullyShardedDataParallel
+    extra = {} if which == "ours" else {"device_id": torch.device("cpu")}  # PyTorch's needs it on CPU
+    for i in (0, 1):
+        model[i] = fsdp(model[i], use_orig_params=use_orig_params, **extra)
+    return fsdp(model, use_orig_params=use_orig_params, **extra)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(8, 7, generator=gen).double(), torch.randn(8, 3, generator=gen).double()
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _optimizer_before_wrapping(use_orig_params: bool) -> dict:
+    """FSDP1 with use_orig_params=True keeps the original parameter objects: an optimizer built
+    before wrapping trains the model. Ours swaps its references for the sharded parameters at its
+    first step. With use_orig_params=False FSDP1 trains nothing (the optimizer holds parameters the
+    model no longer has); ours refuses at the first step."""
+    rank, w = world()
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # before wrapping
+    model = _wrap("ours", model, use_orig_params)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    error = ""
+    diffs = []
+    for step in range(3):
+        x, y = _batch(step)
+        loss = _loss(model, x.chunk(w)[rank], y.chunk(w)[rank])
+        loss.backward()
+        _loss(ref, x, y).backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            error = str(e)
+            break
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    with _lib("ours").FullyShardedDataParallel.summon_full_params(model):
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            diffs.append((p - q).abs().max().item())
+    return {"error": error, "diff": max(diffs)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_an_optimizer_built_before_wrapping_trains_with_use_orig_params(ranks, world_size):
+    for r in ranks(world_size).run(_optimizer_before_wrapping, True):
+        assert r["error"] == "" and r["diff"] <= TOL64, r
+
+
+def test_an_optimizer_built_before_wrapping_is_refused_without_use_orig_params(ranks):
+    for r in ranks(2).run(_optimizer_before_wrapping, False):
+        assert "as it was before fully_shard" in r["error"], r
+
+
+def _observe(which: str) -> dict:
+    """What a script sees: the instance's class, names inside and outside summon_full_params, and
+    which exception each misuse raises."""
+    lib = _lib(which)
+    fsdp = lib.FullyShardedDataParallel
+    model = _wrap(which, _model())
+    out: dict = {"type_is": type(model) is fsdp and type(model[0]) is fsdp}
+    out["names_outside"] = [n for n, _ in model.named_parameters()]
+    with fsdp.summon_full_params(model):
+        out["names_inside"] = [n for n, _ in model.named_parameters()]
+        out["buffers_inside"] = [n for n, _ in model.named_buffers()]
+        out["shapes_inside"] = [tuple(p.shape) for p in model.parameters()]
+    out["buffers_outside"] = [n for n, _ in model.named_buffers()]
+
+    def raised(fn) -> str:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the type is what is compared
+            return f"{type(e).__name__}: {e}"
+        return ""
+
+    def nested_summon():
+        with fsdp.summon_full_params(model):
+            with fsdp.summon_full_params(model[0]):
+                pass
+
+    def apply_inside():
+        with fsdp.summon_full_params(model):
+            model.apply(lambda m: None)
+
+    seen: list[str] = []
+
+    def summon_in_forward(module, args):
+        seen.append(raised(lambda: fsdp.summon_full_params(module).__enter__()))
+
+    handle = model[1].module.register_forward_pre_hook(lambda m, args: summon_in_forward(model[1], args))
+    x, y = _batch(0)
+    _loss(model, x, y).backward()
+    handle.remove()
+    out["summon_in_forward"] = seen[0]
+    out["nested_summon"] = raised(nested_summon)
+    out["apply_inside"] = raised(apply_inside)
+    model(x)  # a forward: the root is known, model[0] is not one
+    out["clip_non_root"] = raised(lambda: model[0].clip_grad_norm_(1.0))
+    out["rank0_writeback"] = raised(
+        lambda: fsdp.summon_full_params(model, rank0_only=True, writeback=True).__enter__()
+    )
+    return out
+
+
+def _both() -> dict:
+    return {"ours": _observe("ours"), "theirs": _observe("theirs")}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_what_scripts_observe_matches_pytorch_fsdp1(ranks, world_size):
+    for r in ranks(world_size).run(_both):
+        ours, theirs = r["ours"], r["theirs"]
+        assert ours["type_is"] and theirs["type_is"], r
+        for key in ("names_outside", "names_inside", "buffers_inside", "buffers_outside", "shapes_inside"):
+            assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+        for key in ("summon_in_forward", "nested_summon", "apply_inside", "clip_non_root", "rank0_writeback"):
+            kind, _, words = theirs[key].partition(": ")
+            assert kind and ours[key].startswith(kind + ": "), (key, ours[key], theirs[key])
+            assert words.split(".")[0].split(" but ")[0] in ours[key], (key, ours[key], theirs[key])
