@@ -71,7 +71,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 "(and ranks would drift). Either the optimizer was built before fully_shard, or a module no "
                 "fully_shard call covers still holds the original (a weight tied outside every call, e.g. "
                 "lm_head.weight = embed.weight with only embed sharded). Fix: build the optimizer after "
-                "fully_shard (e.g. torch.optim.AdamW(model.parameters()) once every call has run), and "
+                "fully_shard (e.g. torch.optim.AdamW(model.parameters()) once every call has run; with "
+                "FSDP1's FullyShardedDataParallel, use_orig_params=True keeps an earlier one working), and "
                 "apply fully_shard to the root so every module sharing the weight is covered."
             )
         if owner is None and (gathered := unsharded_owner(p)) is not None:
@@ -93,18 +94,42 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         )
 
 
+def rebind(optimizer: Any) -> None:
+    """Swap now what the first step would (an optimizer built before FSDP1's wrapping), e.g. before
+    making its state from the parameters it holds."""
+    _rebound(optimizer)
+
+
 def _rebound(optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The optimizer's parameters, each rebindable one held as it was before sharding (with no
-    state yet) swapped in its param group for the sharded parameter."""
+    """The optimizer's parameters, each rebindable one held as it was before sharding swapped in its
+    param group for the sharded parameter, with its state if it has the sharded layout (loaded
+    through FSDP1's ``optim_state_dict_to_load``); one with state of another layout stays (refused)."""
     params = []
     for group in optimizer.param_groups:
         held = group["params"]
         for i, p in enumerate(held):
             owner = manager_of(p) if p in _rebindable else None
-            if owner is not None and owner.sharded_param is not p and p not in optimizer.state:
-                held[i] = p = owner.sharded_param
+            if (
+                owner is not None
+                and owner.sharded_param is not p
+                and _state_fits(optimizer, p, owner.sharded_param)
+            ):
+                held[i] = new = owner.sharded_param
+                if p in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(p)
+                p = new
             params.append(p)
     return params
+
+
+def _state_fits(optimizer: torch.optim.Optimizer, old: Any, sharded: DTensor) -> bool:
+    for value in optimizer.state.get(old, {}).values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if not isinstance(value, DTensor) or value.shape != sharded.shape:
+                return False
+            if value.placements != sharded.placements:
+                return False
+    return True
 
 
 def _mark_copies_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

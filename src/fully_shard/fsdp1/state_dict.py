@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..features.traps import rebind
 from .config import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -161,11 +162,36 @@ def convert_in(module: nn.Module, state_dict: dict[str, Any], prefix: str, kind:
 
 
 def _ordered_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    rebind(optim)  # built before wrapping (use_orig_params=True): the parameters the model holds now
     return [p for group in optim.param_groups for p in group["params"]]
 
 
 def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): clean(n) for n, p in model.named_parameters()}
+
+
+def _init_state(optim: torch.optim.Optimizer) -> None:
+    """As FSDP1 does: an optimizer with no state yet (built, never stepped) gets its state made by
+    one step with zero gradients and a learning rate of 0, so its state dict is a template a
+    checkpoint can be loaded into (accelerate's ``load_state`` does so). Nothing else changes."""
+    params = _ordered_params(optim)
+    if any(optim.state.values()) or any(p.grad is not None for p in params):
+        return
+    lrs = []
+    for group in optim.param_groups:
+        lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
 
 
 def optim_state_dict(
@@ -177,6 +203,8 @@ def optim_state_dict(
     """``optim``'s state (``osd``, default ``optim.state_dict()``) keyed by parameter name, in the
     state-dict type of ``settings`` (the model's, or one a legacy function fixes)."""
     kind, config = settings.state_dict_type, settings.optim_state_dict_config
+    if osd is None:
+        _init_state(optim)
     raw = optim.state_dict() if osd is None else osd
     names = _names(model)
     params = _ordered_params(optim)
