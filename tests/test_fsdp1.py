@@ -571,7 +571,6 @@ def test_fsdp1_refusals_name_the_argument_and_the_fix():
     F = ours.FullyShardedDataParallel
     with fake_world(2):
         cases = [
-            (dict(mixed_precision=ours.MixedPrecision(keep_low_precision_grads=True)), ValueError, "keep_low_precision_grads"),
             (dict(ignored_modules=[], ignored_states=[]), ValueError, "Cannot pass both ignored_modules and ignored_states"),
             (dict(sharding_strategy=ours.ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2,))),
              ValueError, "HYBRID_SHARD needs a 2-D"),

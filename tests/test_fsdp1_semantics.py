@@ -166,3 +166,42 @@ def test_what_scripts_observe_matches_pytorch_fsdp1(ranks, world_size):
             kind, _, words = theirs[key].partition(": ")
             assert kind and ours[key].startswith(kind + ": "), (key, ours[key], theirs[key])
             assert words.split(".")[0].split(" but ")[0] in ours[key], (key, ours[key], theirs[key])
+
+
+def _low_precision_grads() -> dict:
+    """MixedPrecision(bf16, keep_low_precision_grads=True): after backward every ``.grad`` is
+    bfloat16, and SGD applied with them (by hand, in float32) leaves the parameters equal to
+    PyTorch's FSDP1's bit for bit (world 2: the same reduction order)."""
+    rank, w = world()
+    out = {}
+    for which in ("ours", "theirs"):
+        lib = _lib(which)
+        mp = lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True)
+        extra = {} if which == "ours" else {"device_id": torch.device("cpu")}
+        model = _model().float()
+        for i in (0, 1):
+            model[i] = lib.FullyShardedDataParallel(model[i], use_orig_params=True, mixed_precision=mp, **extra)
+        model = lib.FullyShardedDataParallel(model, use_orig_params=True, mixed_precision=mp, **extra)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x, y = _batch(step)
+            _loss(model, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            with torch.no_grad():  # SGD on a float32 parameter with a bf16 gradient: by hand, in fp32
+                for p in model.parameters():
+                    if p.grad is not None:  # FSDP1: None where this rank holds none of it
+                        p.add_(p.grad.float(), alpha=-0.1)
+            opt.zero_grad()
+        out[which] = {"dtypes": sorted({str(g.dtype) for g in grads.values()})}
+        fsdp = lib.FullyShardedDataParallel
+        with fsdp.state_dict_type(model, lib.StateDictType.FULL_STATE_DICT):  # the float32 parameters
+            out[which]["params"] = list(model.state_dict().values())
+    return out
+
+
+def test_keep_low_precision_grads_matches_pytorch_fsdp1(ranks):
+    for r in ranks(2).run(_low_precision_grads):
+        ours, theirs = r["ours"], r["theirs"]
+        assert ours["dtypes"] == theirs["dtypes"] == ["torch.bfloat16"], r
+        # (PyTorch's gradients are flat slices of its flat parameter: compared through their effect)
+        assert len(ours["params"]) == len(theirs["params"]) and all(torch.equal(a, b) for a, b in zip(ours["params"], theirs["params"]))

@@ -79,12 +79,12 @@ class _Arguments:
         self.cpu_offload = as_ours(self.cpu_offload, CPUOffload, "cpu_offload") or CPUOffload()
         self.backward_prefetch = as_ours(self.backward_prefetch, BackwardPrefetch, "backward_prefetch")
         mp = self.mixed_precision = as_ours(self.mixed_precision, MixedPrecision, "mixed_precision")
-        if mp is not None and mp.keep_low_precision_grads:
+        if mp is not None and mp.keep_low_precision_grads and not hasattr(torch.Tensor, "grad_dtype"):
             raise ValueError(
-                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) is "
-                "not supported: reduced gradients are kept in the parameters' dtype for the optimizer. Fix: "
-                "drop keep_low_precision_grads (reduce_dtype still sets the dtype of the reduction), or keep "
-                "the parameters themselves in low precision (model.to(torch.bfloat16))."
+                "FullyShardedDataParallel(mixed_precision=MixedPrecision(keep_low_precision_grads=True)) "
+                "needs a torch with Tensor.grad_dtype (a gradient in another dtype than its parameter), "
+                f"which this torch {torch.__version__} lacks. Fix: drop keep_low_precision_grads "
+                "(reduce_dtype still sets the dtype of the reduction), or use a newer torch."
             )
 
     def nested_kwargs(self, mesh: DeviceMesh, ignored_params: set[nn.Parameter]) -> dict[str, Any]:
@@ -180,6 +180,8 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
             self._fsdp1_buffer_dtypes = _cast_buffers(self, mp.buffer_dtype)
         self._shard(args, mesh, ignored_params)
         self._set_backward_prefetch(args.backward_prefetch)
+        if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
+            self._get_fsdp_state().update_settings(keep_low_precision_grads=True)
         # State dicts at any depth (a root inside a container too): names first, then values.
         self._register_state_dict_hook(_strip_wrapped_prefix)
         self._register_state_dict_hook(_convert_state_dict)

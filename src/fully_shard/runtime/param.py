@@ -477,6 +477,8 @@ class FSDPParam:
             host.copy_(grad, non_blocking=where.pin_memory and existing is None)
             grad = host
         if existing is None:
+            if getattr(param, "grad_dtype", dtype) != dtype:  # lowered last step (`lower_grad`)
+                param.grad_dtype = dtype  # type: ignore[attr-defined]
             spec = param._spec  # type: ignore[attr-defined]
             param.grad = DTensor(grad.contiguous(), spec, requires_grad=False)  # type: ignore[call-arg]
         else:
@@ -486,6 +488,21 @@ class FSDPParam:
         if hooks:
             for hook in list(hooks.values()):
                 hook(param)
+
+    def lower_grad(self) -> None:
+        """``keep_low_precision_grads``: ``.grad`` in ``param_dtype`` (accumulated in the
+        parameter's dtype until now), for an optimizer that steps with low-precision gradients."""
+        param, low = self.sharded_param, self.dtypes.param
+        grad = param.grad
+        if grad is None or grad.dtype == low:
+            return
+        mesh, placements, shape = self._spec()
+        local = grad._local_tensor.to(low)  # type: ignore[attr-defined]
+        param.grad = None
+        param.grad_dtype = low  # type: ignore[attr-defined]
+        param.grad = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=shape, stride=grad.stride()
+        )
 
     def add_partial_reduce(self, reduced: torch.Tensor) -> None:
         """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""

@@ -528,6 +528,10 @@ class FSDPParamGroup:
             event.synchronize()
         self.offload_events.clear()
 
+    def lower_grads(self) -> None:
+        for p in self.trainable:
+            p.lower_grad()
+
     def discard_unsharded_grads(self) -> bool:
         """Drop every unreduced gradient; whether there was one."""
         dropped = False

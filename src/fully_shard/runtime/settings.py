@@ -38,6 +38,7 @@ class Settings:
     # gradient), with used-counts; False: only this rank's gradients (PyTorch's layout).
     reduce_unused: bool = True
     reduce_dtype: Optional[torch.dtype] = None  # overrides the policy's (FSDP1's compress hooks)
+    keep_low_precision_grads: bool = False  # FSDP1's: .grad in param_dtype after the last backward
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
     all_reduce_hook_stream: Optional[torch.Stream] = None
     # -- communication --

@@ -210,6 +210,10 @@ class RootContext:
             if self.root.settings.is_last_backward:
                 self.finish_pending_reduce()
                 self.post_forward_order.clear()
+                for state in self.states:
+                    if state.settings.keep_low_precision_grads:
+                        for g in state.own:
+                            g.lower_grads()
                 for state in self.states:  # offloaded .grad must be on the host for the optimizer
                     for g in state.own:
                         if g.offload_events:
