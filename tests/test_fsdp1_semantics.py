@@ -13,16 +13,7 @@ import torch.nn as nn
 
 from _parity import TOL64
 from rank_utils import world
-
-
-class Block(nn.Module):
-    def __init__(self, a: int, b: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(a, b)
-        self.norm = nn.LayerNorm(b)
-
-    def forward(self, x):
-        return torch.relu(self.norm(self.lin(x)))
+from test_fsdp1 import Block
 
 
 def _model() -> nn.Module:
