@@ -20,7 +20,7 @@ SCRIPT = os.path.join(ROOT, "examples", "accelerate_fsdp1.py")
 
 
 def _run(*args: str) -> tuple[list[str], str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", SCRIPT, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     lines = out.stdout.splitlines()
