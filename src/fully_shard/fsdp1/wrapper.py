@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
@@ -194,6 +195,7 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         self._fsdp1_summoning = False  # inside summon_full_params (summon.py)
         self._fsdp1_strategy = args.sharding_strategy
         self._fsdp1_mp = args.mixed_precision
+        self._fsdp1_cpu_offload = args.cpu_offload
         self._fsdp1_use_orig_params = args.use_orig_params
         self._fsdp1_settings = StateDictSettings(
             StateDictType.FULL_STATE_DICT,
@@ -254,6 +256,18 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
             )
 
     # -- module plumbing --------------------------------------------------------------------------
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._fsdp1_strategy
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return self._fsdp1_cpu_offload
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._fsdp1_mp or MixedPrecision()
 
     @property
     def module(self) -> nn.Module:
@@ -346,7 +360,16 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
             )
         summon.refuse_unless_idle(self, "clip_grad_norm_")
         total = _clip_grad_norm(self.parameters(), max_norm, norm_type)
-        return total.full_tensor() if isinstance(total, DTensor) else total
+        total = total.full_tensor() if isinstance(total, DTensor) else total
+        dtypes = {p.grad.dtype for p in self.parameters() if p.grad is not None}
+        if not dtypes:  # FSDP1's warning, in its words
+            warnings.warn(
+                f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning the "
+                f"total norm in the default dtype {total.dtype}",
+                stacklevel=2,
+            )
+            return total
+        return total.to(functools.reduce(torch.promote_types, dtypes))  # the gradients' dtype, as FSDP1
 
     @staticmethod
     @contextlib.contextmanager
