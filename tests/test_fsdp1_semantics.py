@@ -146,7 +146,7 @@ def _both() -> dict:
     return {"ours": _observe("ours"), "theirs": _observe("theirs")}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_what_scripts_observe_matches_pytorch_fsdp1(ranks, world_size):
     for r in ranks(world_size).run(_both):
         ours, theirs = r["ours"], r["theirs"]
