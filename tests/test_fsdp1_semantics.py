@@ -196,3 +196,36 @@ def test_keep_low_precision_grads_matches_pytorch_fsdp1(ranks):
         assert ours["dtypes"] == theirs["dtypes"] == ["torch.bfloat16"], r
         # (PyTorch's gradients are flat slices of its flat parameter: compared through their effect)
         assert len(ours["params"]) == len(theirs["params"]) and all(torch.equal(a, b) for a, b in zip(ours["params"], theirs["params"]))
+
+
+def _summon_under_mixed_precision() -> dict:
+    """Under MixedPrecision(param_dtype=bf16), summon_full_params shows the parameters in full
+    precision (as FSDP1 does), and an edit written back lands in the float32 shards exactly."""
+    out = {}
+    for which in ("ours", "theirs"):
+        lib = _lib(which)
+        mp = lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        extra = {} if which == "ours" else {"device_id": torch.device("cpu")}
+        model = _model().float()
+        for i in (0, 1):
+            model[i] = lib.FullyShardedDataParallel(model[i], use_orig_params=True, mixed_precision=mp, **extra)
+        model = lib.FullyShardedDataParallel(model, use_orig_params=True, mixed_precision=mp, **extra)
+        x, y = _batch(0)
+        _loss(model, x.float(), y.float()).backward()  # a step's worth of use first
+        fsdp = lib.FullyShardedDataParallel
+        with fsdp.summon_full_params(model):
+            seen = [(p.dtype, p.detach().clone()) for p in model.parameters()]
+            with torch.no_grad():
+                next(model.parameters()).mul_(3.0)
+        with fsdp.state_dict_type(model, lib.StateDictType.FULL_STATE_DICT):
+            out[which] = {"seen": seen, "after": list(model.state_dict().values())}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_summon_under_mixed_precision_shows_full_precision(ranks, world_size):
+    for r in ranks(world_size).run(_summon_under_mixed_precision):
+        ours, theirs = r["ours"], r["theirs"]
+        assert [d for d, _ in ours["seen"]] == [d for d, _ in theirs["seen"]] == [torch.float32] * len(ours["seen"])
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours["seen"], theirs["seen"]))
+        assert all(torch.equal(a, b) for a, b in zip(ours["after"], theirs["after"]))

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -105,13 +106,16 @@ def summon_full_params(
     targets = [m for r in roots for m in (instances(r) if recurse else [r])]
     _refuse_summon(targets)
     with contextlib.ExitStack() as stack:
-        for r in roots:
-            stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
-        if rank0_only and dist.get_rank() != 0:  # only rank 0 sees the full parameters
-            for m in targets:
-                m.reshard()
-        elif with_grads:
-            stack.callback(sd.show_full_grads(roots))
+        if _mixed_precision(targets):  # FSDP1 shows full precision: gather the shards as they are
+            stack.enter_context(_full_precision(targets, writeback, rank0_only, with_grads))
+        else:
+            for r in roots:
+                stack.enter_context(unsharded(r, writeback=writeback, recurse=recurse))
+            if rank0_only and dist.get_rank() != 0:  # only rank 0 sees the full parameters
+                for m in targets:
+                    m.reshard()
+            elif with_grads:
+                stack.callback(sd.show_full_grads(roots))
         for m in targets:
             m.__dict__["_fsdp1_summoning"] = True
         try:
@@ -119,6 +123,55 @@ def summon_full_params(
         finally:
             for m in targets:
                 m.__dict__["_fsdp1_summoning"] = False
+
+
+def _params(targets: list[nn.Module]) -> list[Any]:
+    """The engine's parameters of ``targets`` (`FSDPParam`), each once, in module order."""
+    found: dict[int, Any] = {}
+    for m in targets:
+        state = engine_state(m)
+        assert state is not None
+        for group in state.own:
+            for p in group.params:
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _mixed_precision(targets: list[nn.Module]) -> bool:
+    """Whether some parameter computes in another dtype than it is kept in (not under TP)."""
+    params = _params(targets)
+    return any(p.dtypes.param != p.dtypes.orig for p in params) and all(p.where.tp is None for p in params)
+
+
+@contextlib.contextmanager
+def _full_precision(
+    targets: list[nn.Module], writeback: bool, rank0_only: bool, with_grads: bool
+) -> Iterator[None]:
+    """Under mixed precision: each parameter all-gathered from its shard in its own dtype and put at
+    its places for the block (every rank gathers; with ``rank0_only`` the others keep the shards),
+    written back on exit with ``writeback``, the shards put back."""
+    for m in targets:
+        m.reshard()
+    shown = []
+    for p in _params(targets):
+        sharded = p.sharded_param
+        full = nn.Parameter(sharded.detach().full_tensor(), requires_grad=sharded.requires_grad)
+        grad = sharded.grad.full_tensor() if with_grads and sharded.grad is not None else None
+        if rank0_only and dist.get_rank() != 0:
+            continue
+        full.grad = grad
+        for place in p.places:
+            place.set(full)
+        shown.append((p, full))
+    try:
+        yield
+    finally:
+        for p, full in shown:
+            if writeback:
+                with torch.no_grad():
+                    p.local_shard.copy_(p.local_chunk(full.detach()))
+            for place in p.places:
+                place.set(p.sharded_param)
 
 
 def clean_names(m: nn.Module, named: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
