@@ -14,6 +14,7 @@ import argparse
 
 import torch
 import torch.nn as nn
+from teardown import shutdown
 
 
 def bind_fsdp1_to_fully_shard() -> None:
@@ -101,7 +102,7 @@ def main() -> None:
     if acc.is_main_process:
         print("MODEL", type(acc.unwrap_model(model)).__name__, type(model).__name__, sorted(full))
         print("LOSSES", " ".join(repr(v) for v in losses))
-    acc.end_training()
+    shutdown()  # not acc.end_training(): gloo can abort a rank that tears down first (teardown.py)
 
 
 if __name__ == "__main__":
