@@ -62,7 +62,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     if (seen := _checked.get(optimizer)) is not None and seen[0] == count:
         return
     managed, plain = [], []
-    for p in _rebound(optimizer):
+    for p in rebind(optimizer):
         owner = manager_of(p)
         if owner is not None and owner.sharded_param is not p:
             raise RuntimeError(
@@ -94,16 +94,11 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         )
 
 
-def rebind(optimizer: Any) -> None:
-    """Swap now what the first step would (an optimizer built before FSDP1's wrapping), e.g. before
-    making its state from the parameters it holds."""
-    _rebound(optimizer)
-
-
-def _rebound(optimizer: torch.optim.Optimizer) -> list[Any]:
+def rebind(optimizer: Any) -> list[Any]:
     """The optimizer's parameters, each rebindable one held as it was before sharding swapped in its
     param group for the sharded parameter, with its state if it has the sharded layout (loaded
-    through FSDP1's ``optim_state_dict_to_load``); one with state of another layout stays (refused)."""
+    through FSDP1's ``optim_state_dict_to_load``); one with state of another layout stays (refused).
+    The first step does it; FSDP1's optimizer-state conversions call it first too."""
     params = []
     for group in optimizer.param_groups:
         held = group["params"]

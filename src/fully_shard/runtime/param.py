@@ -477,8 +477,6 @@ class FSDPParam:
             host.copy_(grad, non_blocking=where.pin_memory and existing is None)
             grad = host
         if existing is None:
-            if getattr(param, "grad_dtype", dtype) != dtype:  # lowered last step (`lower_grad`)
-                param.grad_dtype = dtype  # type: ignore[attr-defined]
             spec = param._spec  # type: ignore[attr-defined]
             param.grad = DTensor(grad.contiguous(), spec, requires_grad=False)  # type: ignore[call-arg]
         else:
@@ -499,7 +497,7 @@ class FSDPParam:
         mesh, placements, shape = self._spec()
         local = grad._local_tensor.to(low)  # type: ignore[attr-defined]
         param.grad = None
-        param.grad_dtype = low  # type: ignore[attr-defined]
+        param.grad_dtype = None  # type: ignore[attr-defined]  # any dtype: the next step's starts in ours
         param.grad = DTensor.from_local(
             local, mesh, placements, run_check=False, shape=shape, stride=grad.stride()
         )
