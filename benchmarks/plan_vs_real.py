@@ -5,7 +5,9 @@ on a GPU, gloo on a CPU): the same model, settings and batch
 
 * simulated (`plan.simulate`, in a subprocess: it needs a process without a process group),
 * measured by the same counter on the real run (`plan.measure`: live tensor bytes),
-* and, on an accelerator, the allocator's own peak (``torch.cuda.max_memory_allocated``),
+* and, on an accelerator, the allocator's own peak (``torch.cuda.max_memory_allocated``, minus
+  what was allocated before the model was built: the math libraries' workspaces, e.g. cuBLAS's
+  32 MiB per stream on Hopper, are the process's, not the step's),
 
 and the time model (`Plan.estimate` at the compute rate `plan.measure_flops` finds here; at
 world 1 there is no communication) against the median measured step (forward, backward,
@@ -93,6 +95,9 @@ def main() -> None:
         rate = measure_flops(build, x, device=device)  # before the sharded model exists: its memory is freed
         sim = simulated(args, {"flops": rate.flops, "optimizer_elements_per_s": rate.optimizer_elements_per_s,
                                "memory_bytes_per_s": rate.memory_bytes_per_s})
+        # What the process holds before the model exists (the input, and the math libraries' workspaces,
+        # e.g. cuBLAS's per stream, made by measure_flops): not the model's step, which the plan is about.
+        before = torch.cuda.memory_allocated() if cuda else 0
         torch.manual_seed(0)
         with torch.device(device):
             model = build()
@@ -103,7 +108,7 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         real = measure(model, x, opt, steps=2)
-        allocator = torch.cuda.max_memory_allocated() if cuda else None
+        allocator = torch.cuda.max_memory_allocated() - before if cuda else None
         times = []
         for _ in range(args.steps):
             if cuda:

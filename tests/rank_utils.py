@@ -42,7 +42,8 @@ def max_param_diff(model: torch.nn.Module, ref: torch.nn.Module) -> float:
     assert ours.keys() == theirs.keys(), (sorted(ours), sorted(theirs))
     diffs = []
     for k in ours:
-        a, b = full(ours[k]).detach(), theirs[k].detach()
+        a = full(ours[k]).detach()
+        b = theirs[k].detach().to(a.device)  # an offloaded shard gathers on the host
         assert a.shape == b.shape, (k, a.shape, b.shape)
         diffs.append((a - b).abs().max().item() if a.numel() else 0.0)  # a size-0 parameter: equal by shape
     return max(diffs)

@@ -148,12 +148,19 @@ def test_cuda_cpu_offload_keeps_shards_and_grads_on_host(nccl_world, pin_memory)
     print(f"max |param diff| offloaded vs plain {diff:.2e}")
     assert diff <= TOL64
     # Device memory between steps: the plain model's shards and optimizer state (~3x the model),
-    # none of the offloaded model's.
+    # none of the offloaded model's. Counted as what freeing the offloaded model gives back (the
+    # process also holds cuBLAS's workspaces, the plain model until collected, ...).
+    import gc
+
     torch.cuda.synchronize()
     del plain, opts[1], model, opt, loss
-    torch.cuda.empty_cache()
-    print(f"device bytes after step {torch.cuda.memory_allocated()} vs model bytes {model_bytes}")
-    assert torch.cuda.memory_allocated() < model_bytes / 4
+    gc.collect()
+    held = torch.cuda.memory_allocated()
+    del offloaded, opts
+    gc.collect()
+    freed = held - torch.cuda.memory_allocated()
+    print(f"device bytes the offloaded model held after its step {freed} vs model bytes {model_bytes}")
+    assert freed < model_bytes / 4
 
 
 def test_cuda_offloaded_shards_stay_on_host(nccl_world):

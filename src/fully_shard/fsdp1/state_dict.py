@@ -24,6 +24,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..features.traps import rebind
+from ..layouts.mesh import dtensor_in_place
 from .config import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -128,13 +129,8 @@ def _as_param_layout(value: Any, current: Any, kind: StateDictType) -> Any:
                 "saved it. Fix: save and load a SHARDED_STATE_DICT (with torch.distributed.checkpoint) to "
                 "change them."
             )
-        return DTensor.from_local(
-            value,
-            current.device_mesh,
-            current.placements,
-            run_check=False,
-            shape=current.shape,
-            stride=current.stride(),
+        return dtensor_in_place(
+            value, current.device_mesh, current.placements, current.shape, current.stride()
         )
     if tuple(value.shape) != tuple(current.shape):
         raise ValueError(
@@ -248,10 +244,8 @@ def _as_kind(value: DTensor, kind: StateDictType, offload: bool) -> torch.Tensor
         return value.to_local()
     if not offload:
         return value
-    local = value.to_local().cpu()
-    return DTensor.from_local(
-        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-    )
+    local = value.to_local().cpu()  # stays there: from_local would move it back to the mesh's device
+    return dtensor_in_place(local, value.device_mesh, value.placements, value.shape, value.stride())
 
 
 def optim_state_dict_to_load(

@@ -178,3 +178,22 @@ def check_reshard_after_forward(value: object, info: MeshInfo) -> object:
     if value == 1:
         return False  # a group of one keeps everything
     return value
+
+
+def dtensor_in_place(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+) -> Any:
+    """A DTensor around ``local`` on the device ``local`` is on. ``DTensor.from_local`` moves a
+    local tensor to the mesh's device type: an offloaded (host) shard on a CUDA mesh would be
+    copied to the GPU, and its ``.grad`` refused for the device mismatch."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[call-arg]

@@ -8,7 +8,6 @@ All-gather fills every row; reduce-scatter leaves rank ``r`` with the sum of row
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any

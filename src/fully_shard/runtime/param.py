@@ -33,7 +33,7 @@ from .extension import EXTENSION_METHODS, ExtensionState, hooks_of
 from .host import allocating, host_device, to_device
 from ..layouts.layout import ShardLayout
 from .lifecycle import ShardedState
-from ..layouts.mesh import MeshInfo
+from ..layouts.mesh import MeshInfo, dtensor_in_place
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from .registry import manager_of, register_places, register_sharded, register_unsharded
 from .settings import Settings
@@ -284,9 +284,7 @@ class FSDPParam:
 
     def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
         mesh, placements, shape = self._spec()
-        dtensor = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
-        )
+        dtensor = dtensor_in_place(local, mesh, placements, shape, _contiguous_stride(shape))
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)
 
     def all_gather_input(self) -> torch.Tensor:
@@ -498,9 +496,7 @@ class FSDPParam:
         local = grad._local_tensor.to(low)  # type: ignore[attr-defined]
         param.grad = None
         param.grad_dtype = None  # type: ignore[attr-defined]  # any dtype: the next step's starts in ours
-        param.grad = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=shape, stride=grad.stride()
-        )
+        param.grad = dtensor_in_place(local, mesh, placements, shape, grad.stride())
 
     def add_partial_reduce(self, reduced: torch.Tensor) -> None:
         """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""
@@ -666,7 +662,21 @@ class FSDPParam:
             if method is not None:
                 bound_to_old = getattr(method, "__self__", None) is old
                 setattr(new, name, method.__func__.__get__(new) if bound_to_old else method)
-        self.sharded_param._local_tensor = new  # type: ignore[attr-defined]
+        param = self.sharded_param
+        if param.device == new.device:
+            param._local_tensor = new  # type: ignore[attr-defined]
+            return
+        # The wrapper moved without its shard (module.cuda() on offloaded shards): a DTensor's device
+        # is fixed when it is made, so make it again where the shard is; the Parameter object stays.
+        mesh, placements, shape = self._spec()
+        fresh = nn.Parameter(
+            dtensor_in_place(new, mesh, placements, shape, param.stride()), param.requires_grad
+        )
+        grad = param.grad
+        if grad is not None:  # moved along by module.cuda(): back where the shard is too
+            local = grad._local_tensor.to(new.device)  # type: ignore[attr-defined]
+            fresh.grad = dtensor_in_place(local, mesh, placements, shape, grad.stride())
+        torch.utils.swap_tensors(param, fresh)
 
     def _drop_unsharded(self) -> None:
         """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
