@@ -29,6 +29,13 @@ def _sharded_llama(seed: int = 0, layout: str = "fsdp"):
     w = world()[1]
     if layout.startswith("3d:"):
         return _three_d(model, tuple(int(n) for n in layout[3:].split(",")))
+    if layout == "plain":  # replicate(plain_params=True): plain tensors, every rank the whole
+        from fully_shard import replicate
+
+        for layer in model.layers:
+            replicate(layer, mesh=cpu_mesh(), plain_params=True)
+        replicate(model, mesh=cpu_mesh(), plain_params=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=LLAMA_LR)
     mesh = init_device_mesh("cpu", (2, w // 2) if w > 1 else (1, 1)) if layout == "hsdp" else cpu_mesh()
     placement = (lambda p: Shard(1) if p.dim() == 2 else None) if layout == "dim1" else None
     for layer in model.layers:
@@ -128,11 +135,12 @@ def test_resume_at_any_world_size(ranks, tmp_path, reference, save_world, load_w
 @pytest.mark.parametrize(
     "save_world,save_layout,load_world,load_layout",
     [(4, "hsdp", 2, "dim1"), (2, "dim1", 4, "hsdp"), (4, "hsdp", 1, "fsdp"), (1, "fsdp", 4, "dim1"),
-     (4, "3d:1,2,2", 4, "3d:2,1,2"), (4, "3d:2,2,1", 2, "fsdp"), (1, "fsdp", 4, "3d:1,2,2")],
+     (4, "3d:1,2,2", 4, "3d:2,1,2"), (4, "3d:2,2,1", 2, "fsdp"), (1, "fsdp", 4, "3d:1,2,2"),
+     (2, "plain", 4, "fsdp"), (4, "hsdp", 2, "plain")],
 )
 def test_resume_across_layouts(ranks, tmp_path, reference, save_world, save_layout, load_world, load_layout):
-    """Save under one layout (HSDP, dim-1 shards, plain, 3-D HSDP x TP through dp_mesh_dims) and
-    world size, resume under another."""
+    """Save under one layout (HSDP, dim-1 shards, plain, 3-D HSDP x TP through dp_mesh_dims,
+    replicate(plain_params=True)) and world size, resume under another."""
     ref_losses, ref_params = reference
     ranks(save_world).run(_train_and_save, str(tmp_path), save_layout)
     results = ranks(load_world).run(_load_and_train, str(tmp_path), load_layout)

@@ -229,3 +229,106 @@ def test_summon_under_mixed_precision_shows_full_precision(ranks, world_size):
         assert [d for d, _ in ours["seen"]] == [d for d, _ in theirs["seen"]] == [torch.float32] * len(ours["seen"])
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(ours["seen"], theirs["seen"]))
         assert all(torch.equal(a, b) for a, b in zip(ours["after"], theirs["after"]))
+
+
+def _no_shard(strategy: str) -> dict:
+    """NO_SHARD (and any strategy at world 1, which FSDP1 turns into NO_SHARD): parameters and
+    gradients are plain tensors a script can compare with plain ones; training equals PyTorch's
+    FSDP1 bit for bit; inside summon_full_params the parameters are the ones that train (an edit
+    persists without writeback, and their gradients are visible and kept, between forward and
+    backward too)."""
+    import warnings
+
+    rank, w = world()
+    out = {}
+    for which in ("ours", "theirs"):
+        lib = _lib(which)
+        fsdp = lib.FullyShardedDataParallel
+        extra = {} if which == "ours" else {"device_id": torch.device("cpu")}
+        model = _model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in (0, 1):
+                model[i] = fsdp(model[i], sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True, **extra)
+            model = fsdp(model, sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=True, **extra)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            x, y = _batch(step)
+            _loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            opt.step()
+            if step < 2:
+                opt.zero_grad()
+        r = {
+            "switched": any("switching to use `NO_SHARD`" in str(c.message) for c in caught),
+            "strategy": model.sharding_strategy.name,
+            "kinds": sorted({type(p).__name__ for p in model.parameters()}),
+            "grad_kinds": sorted({type(p.grad).__name__ for p in model.parameters()}),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "grads": [p.grad.clone() for p in model.parameters()],
+            "allclose": all(p.grad.allclose(p.grad.clone()) for p in model.parameters()),
+        }
+        with fsdp.summon_full_params(model, writeback=False):
+            with torch.no_grad():
+                next(model.parameters()).mul_(2.0)
+        r["edited"] = next(model.parameters()).detach().clone()
+        x, y = _batch(5)
+        out_ = model(x.chunk(w)[rank])  # between forward and backward
+        with fsdp.summon_full_params(model, with_grads=True):
+            r["grads_inside"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        # (FSDP1 all-reduces old + new gradients where we add the reduced new ones to the old: the
+        # same sum, rounded differently; compared from zero)
+        opt.zero_grad()
+        ((out_ - y.chunk(w)[rank]) ** 2).mean().backward()
+        r["after_backward"] = [p.grad.clone() for p in model.parameters()]
+        out[which] = r
+    return out
+
+
+@pytest.mark.parametrize("world_size, strategy", [(1, "FULL_SHARD"), (2, "NO_SHARD"), (4, "NO_SHARD")])
+def test_no_shard_exposes_plain_tensors_as_pytorch_fsdp1(ranks, world_size, strategy):
+    for r in ranks(world_size).run(_no_shard, strategy):
+        ours, theirs = r["ours"], r["theirs"]
+        for key in ("switched", "strategy", "kinds", "grad_kinds", "allclose"):
+            assert ours[key] == theirs[key], (key, ours[key], theirs[key])
+        assert ours["kinds"] == ["Parameter"] and ours["grad_kinds"] == ["Tensor"], ours
+        assert ours["switched"] == (world_size == 1) and ours["strategy"] == "NO_SHARD", ours
+        for key in ("params", "grads", "grads_inside", "after_backward"):
+            assert len(ours[key]) == len(theirs[key]), key
+            if world_size <= 2:  # the same reduction order: bit for bit
+                assert all(torch.equal(a, b) for a, b in zip(ours[key], theirs[key])), key
+            else:  # gloo's ring sums an element in an order set by its offset: a flat buffer's differs
+                assert max((a - b).abs().max().item() for a, b in zip(ours[key], theirs[key])) <= TOL64, key
+        assert torch.equal(ours["edited"], theirs["edited"]) and torch.equal(ours["edited"], 2 * ours["params"][0])
+
+
+def _with_grads_writeback() -> dict:
+    """summon_full_params(with_grads=True, writeback=True) on a sharded strategy: the full gradients
+    are shown, and an edit of them is written back into each rank's gradient shard, as FSDP1 does
+    (compared through the full gradients seen in a second summon)."""
+    rank, w = world()
+    out = {}
+    for which in ("ours", "theirs"):
+        fsdp = _lib(which).FullyShardedDataParallel
+        model = _wrap(which, _model())
+        x, y = _batch(0)
+        _loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+        with fsdp.summon_full_params(model, with_grads=True, writeback=True):
+            before = [p.grad.clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.grad *= 3.0
+        with fsdp.summon_full_params(model, with_grads=True):
+            after = [p.grad.clone() for p in model.parameters()]
+        out[which] = {"before": before, "after": after}
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_summon_with_grads_writes_gradient_edits_back(ranks, world_size):
+    for r in ranks(world_size).run(_with_grads_writeback):
+        ours, theirs = r["ours"], r["theirs"]
+        for side in (ours, theirs):  # the edit kept, exactly
+            assert all(torch.equal(a, 3.0 * b) for a, b in zip(side["after"], side["before"]))
+        if world_size == 2:  # the same reduction order: bit for bit
+            assert all(torch.equal(a, b) for a, b in zip(ours["before"], theirs["before"]))
+        else:  # a flat reduce-scatter vs per-parameter ones sum 4 float64 values in other orders
+            assert max((a - b).abs().max().item() for a, b in zip(ours["before"], theirs["before"])) <= TOL64

@@ -91,3 +91,83 @@ def test_replicate_refuses_a_2d_mesh():
         with pytest.raises(ValueError, match="replicate got a 2-D mesh .*Fix: pass the data-parallel dimension"):
             replicate(model, mesh=mesh)
         assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _plain(offload: bool) -> dict:
+    """``replicate(plain_params=True)``: plain parameters and gradients, trained exactly as with
+    ``Replicate()`` DTensors (the same engine and collectives); ``p.data = t`` and assigning a new
+    plain Parameter are taken over; a deep copy trains on its own; a state dict round trip."""
+    from fully_shard import CPUOffloadPolicy, replicate
+
+    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    plain, dtensor = make_mlp(), make_mlp()
+    ref = copy.deepcopy(plain)
+    for m, flag in ((plain, True), (dtensor, False)):
+        for block in m[:3]:
+            replicate(block, mesh=cpu_mesh(), plain_params=flag, **kwargs)
+        replicate(m, mesh=cpu_mesh(), plain_params=flag, **kwargs)
+    out = {"kinds": sorted({type(p).__name__ for p in plain.parameters()})}
+    fresh = copy.deepcopy(plain)  # an independent sharded copy, before any training
+    rank, w = world()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, dtensor)]
+    for step in range(3):
+        x, y = mlp_batch(step)
+        for m, opt in zip((plain, dtensor), opts):
+            _mlp_loss(m, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+            if m is plain:
+                out["grad_kinds"] = sorted({type(p.grad).__name__ for p in m.parameters()})
+            opt.step()
+            opt.zero_grad()
+    out["vs_dtensor"] = max_abs_diff(plain, dtensor)
+    out["train"] = _train_pair(fresh, copy.deepcopy(ref), mlp_batch, _mlp_loss, 2)
+    # p.data = t: the next forward computes with t (the DTensor path refuses it instead)
+    x, _ = mlp_batch(7)
+    weight = plain[3].weight
+    new = torch.full_like(weight, 0.5)
+    weight.data = new
+    with torch.no_grad():
+        got = plain(x)
+        ref_model = copy.deepcopy(ref)
+        ref_model.load_state_dict({k: v.detach().clone() for k, v in plain.state_dict().items()})
+        out["data_assigned"] = (got - ref_model(x)).abs().max().item()
+    out["weight_is_new"] = plain[3].weight is weight and torch.equal(plain[3].weight, new)
+    # a new plain Parameter assigned: kept as the object the model (and a new optimizer) holds
+    fresh = torch.nn.Parameter(torch.full_like(weight, 0.25))
+    plain[3].weight = fresh
+    with torch.no_grad():
+        got = plain(x)
+    out["assigned_kept"] = plain[3].weight is fresh and [p for p in plain.parameters()][-2] is fresh
+    ref_model[3].weight = torch.nn.Parameter(torch.full_like(weight, 0.25))
+    with torch.no_grad():
+        out["assigned"] = (got - ref_model(x)).abs().max().item()
+    out["state_dict_kinds"] = sorted({type(v).__name__ for v in plain.state_dict().values()})
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("offload", [False, True])
+def test_replicate_plain_params(ranks, world_size, offload):
+    for r in ranks(world_size).run(_plain, offload):
+        assert r["kinds"] == ["Parameter"] and r["grad_kinds"] == ["Tensor"], r
+        assert r["vs_dtensor"] == 0.0, r
+        check([r["train"]], f"replicate(plain_params=True) offload={offload} vs single process (float64)")
+        assert r["data_assigned"] == 0.0 and r["weight_is_new"], r
+        assert r["assigned"] == 0.0 and r["assigned_kept"], r
+        assert r["state_dict_kinds"] == ["Tensor"], r
+
+
+def test_replicate_plain_params_refuses_a_dtensor_parameter():
+    from torch.distributed.tensor import distribute_tensor
+
+    from fake_world import fake_world
+
+    from fully_shard import replicate
+
+    with fake_world(2):
+        mesh = cpu_mesh()
+        model = make_mlp()
+        model[3].weight = torch.nn.Parameter(distribute_tensor(model[3].weight.detach(), mesh, [Replicate()]))
+        before = [p for p in model.parameters()]
+        with pytest.raises(ValueError, match=r"parameter '3.weight' is a DTensor .*plain_params=True.*Fix: "):
+            replicate(model, mesh=mesh, plain_params=True)
+        assert [p for p in model.parameters()] == before and not hasattr(model, "_fsdp_state")

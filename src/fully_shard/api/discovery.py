@@ -150,6 +150,12 @@ def _check_tp_param(param: DTensor, fqn: str, info: MeshInfo) -> None:
 def check_param(param: nn.Parameter, fqn: str, info: MeshInfo) -> None:
     """Refuse a parameter this version cannot shard correctly, naming it and the fix."""
     if isinstance(param, DTensor):
+        if info.plain:
+            raise ValueError(
+                f"parameter '{fqn}' is a DTensor (placements {tuple(param.placements)}), and "
+                "replicate(plain_params=True) exposes parameters as plain tensors, which cannot carry its "
+                "layout. Fix: replicate it with plain_params=False (Replicate() DTensors)."
+            )
         _check_tp_param(param, fqn, info)
     if param.dim() == 0:
         raise ValueError(

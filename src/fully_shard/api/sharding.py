@@ -79,15 +79,21 @@ def replicate(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[set[nn.Parameter]] = None,
+    plain_params: bool = False,
 ) -> Union[nn.Module, list[nn.Module]]:
     """Data parallelism without sharding (PyTorch's ``replicate``), on `fully_shard`'s engine and
     controls: whole parameters as ``Replicate()`` DTensors on the 1-D ``mesh``, gradients averaged
     by an all-reduce per backward. Composes with ``fully_shard`` in one model, applied bottom-up.
 
+    ``plain_params=True``: the parameters and their gradients are plain tensors instead (every rank
+    holds the whole of each), as DDP and FSDP1's ``NO_SHARD`` expose them: code that mixes them with
+    plain tensors (``p.grad.allclose(ref)``, ``p.data = t``) works unchanged. The engine, controls and
+    numerics are the same; ``torch.distributed.checkpoint`` saves them as replicated tensors.
+
     Returns the module (or list); its class now also derives from `ReplicateModule` (an `FSDPModule`).
     """
     modules = _as_module_list(module)
-    info = replicate_info(mesh)
+    info = replicate_info(mesh, plain=plain_params)
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, None, _replicated_class)
     return module
 

@@ -320,9 +320,10 @@ def model_params_and_names(
     return (_ordered_params(optim) if optim is not None else list(model.parameters())), _names(model)
 
 
-def show_full_grads(roots: list[nn.Module]) -> Callable[[], None]:
+def show_full_grads(roots: list[nn.Module], writeback: bool) -> Callable[[], None]:
     """summon_full_params(with_grads=True): the unsharded parameters get the full gradients;
-    returns what drops them again."""
+    returns what drops them again (with ``writeback``, after copying each rank's chunk of what the
+    block left in them into its sharded gradient, as FSDP1 does)."""
     from ..runtime.state import fsdp_states
 
     shown = []
@@ -336,7 +337,13 @@ def show_full_grads(roots: list[nn.Module]) -> Callable[[], None]:
 
     def hide() -> None:
         for p in shown:
-            if p.unsharded_param is not None:
-                p.unsharded_param.grad = None
+            if p.unsharded_param is None:
+                continue
+            full, sharded = p.unsharded_param.grad, p.sharded_param.grad
+            if writeback and full is not None and sharded is not None:
+                local = sharded._local_tensor if isinstance(sharded, DTensor) else sharded
+                with torch.no_grad():
+                    local.copy_(p.local_chunk(full))
+            p.unsharded_param.grad = None
 
     return hide

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..api.module import engine_state
 from ..api.unsharded import unsharded
@@ -106,7 +107,10 @@ def summon_full_params(
     targets = [m for r in roots for m in (instances(r) if recurse else [r])]
     _refuse_summon(targets)
     with contextlib.ExitStack() as stack:
-        if _mixed_precision(targets):  # FSDP1 shows full precision: gather the shards as they are
+        if _exposed(targets):  # NO_SHARD: the parameters are the full ones already (FSDP1 shows them)
+            for m in targets:  # between forward and backward the places hold the computing copies
+                m.reshard()
+        elif _mixed_precision(targets):  # FSDP1 shows full precision: gather the shards as they are
             stack.enter_context(_full_precision(targets, writeback, rank0_only, with_grads))
         else:
             for r in roots:
@@ -115,7 +119,7 @@ def summon_full_params(
                 for m in targets:
                     m.reshard()
             elif with_grads:
-                stack.callback(sd.show_full_grads(roots))
+                stack.callback(sd.show_full_grads(roots, writeback))
         for m in targets:
             m.__dict__["_fsdp1_summoning"] = True
         try:
@@ -137,6 +141,16 @@ def _params(targets: list[nn.Module]) -> list[Any]:
     return list(found.values())
 
 
+def _exposed(targets: list[nn.Module]) -> bool:
+    """NO_SHARD without offload: every parameter is a plain full tensor that the engine computes
+    from, so FSDP1 shows it as it is (writes inside are kept, ``writeback`` or not)."""
+    return all(p.where.info.plain and not p.where.offload for p in _params(targets))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()  # plain: NO_SHARD's whole tensor
+
+
 def _mixed_precision(targets: list[nn.Module]) -> bool:
     """Whether some parameter computes in another dtype than it is kept in (not under TP)."""
     params = _params(targets)
@@ -155,8 +169,8 @@ def _full_precision(
     shown = []
     for p in _params(targets):
         sharded = p.sharded_param
-        full = nn.Parameter(sharded.detach().full_tensor(), requires_grad=sharded.requires_grad)
-        grad = sharded.grad.full_tensor() if with_grads and sharded.grad is not None else None
+        full = nn.Parameter(_full(sharded.detach()), requires_grad=sharded.requires_grad)
+        grad = _full(sharded.grad) if with_grads and sharded.grad is not None else None
         if rank0_only and dist.get_rank() != 0:
             continue
         full.grad = grad

@@ -146,6 +146,13 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         ignored_mods, ignored_params = _ignored(ignored_modules, ignored_states)
         device = _device(device_id, module)
         mesh = _mesh(args.sharding_strategy, process_group, device_mesh, device)
+        if mesh.size() == 1 and args.sharding_strategy is not ShardingStrategy.NO_SHARD:
+            warnings.warn(  # FSDP1's words and rule: plain parameters, as NO_SHARD exposes them
+                f"FSDP is switching to use `NO_SHARD` instead of {args.sharding_strategy} since the world "
+                "size is 1.",
+                stacklevel=2,
+            )
+            args.sharding_strategy = ShardingStrategy.NO_SHARD
         super().__init__()
         self._build(module, args, auto_wrap_policy, device, mesh, ignored_mods, ignored_params)
 
@@ -223,12 +230,13 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         if args.use_orig_params:  # FSDP1 keeps these objects: an optimizer built before keeps working
             register_rebindable(p for p in self.parameters() if p not in ignored_params)
         if strategy is ShardingStrategy.NO_SHARD:
-            replicate(
+            replicate(  # plain tensors, as FSDP1's NO_SHARD exposes them
                 self,
                 mesh=mesh,
                 mp_policy=policy,
                 offload_policy=offload,
                 ignored_params=ignored_params or None,
+                plain_params=True,
             )
         else:
             reshard = (

@@ -30,6 +30,7 @@ class MeshInfo:
     replicate_size: int = 1
     native_avg: bool = False  # the backend averages in-kernel (NCCL's AVG / PreMulSum)
     replicate_only: bool = False  # `replicate`: a shard world of 1, parameters are Replicate() DTensors
+    plain: bool = False  # `replicate(plain_params=True)`: plain tensors instead (FSDP1's NO_SHARD, DDP)
     is_hsdp: bool = field(init=False)
     data_parallel_size: int = field(init=False)  # replicas x shards: the default gradient divisor
 
@@ -113,7 +114,7 @@ def mesh_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
     )
 
 
-def replicate_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
+def replicate_info(mesh: Optional[DeviceMesh], plain: bool = False) -> MeshInfo:
     """`replicate` on a 1-D mesh: a shard world of 1, the mesh's ranks as replicas."""
     mesh = default_mesh() if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
@@ -135,6 +136,7 @@ def replicate_info(mesh: Optional[DeviceMesh]) -> MeshInfo:
         replicate_size=mesh.size(0),
         native_avg=mesh.device_type != "cpu" and "nccl" in str(dist.get_backend(group)),
         replicate_only=True,
+        plain=plain,
     )
 
 

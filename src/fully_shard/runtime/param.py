@@ -177,7 +177,8 @@ class FSDPParam:
         padded = self.padded_shard.clone() if self.padded_shard is not None else None
         local = padded[: self.where.layout.local_rows] if padded is not None else self.local_shard.clone()
         param = self._make_sharded_param(local)
-        param.__dict__.update(copy.deepcopy(self.sharded_param.__dict__, memo))
+        state = {k: v for k, v in self.sharded_param.__dict__.items() if k != "_local_tensor"}  # plain ones'
+        param.__dict__.update(copy.deepcopy(state, memo))
         if self.sharded_param.grad is not None:
             param.grad = self.sharded_param.grad.clone()
         memo[id(self.sharded_param)] = param
@@ -283,6 +284,8 @@ class FSDPParam:
         return (*where.tp.joint(where.info.mesh, placements, where.layout.dim), where.tp.shape)
 
     def _make_sharded_param(self, local: torch.Tensor) -> nn.Parameter:
+        if self.where.info.plain:  # the whole tensor (a shard world of 1), carrying its local alias
+            return _plain_param(local, self.requires_grad)
         mesh, placements, shape = self._spec()
         dtensor = dtensor_in_place(local, mesh, placements, shape, _contiguous_stride(shape))
         return nn.Parameter(dtensor, requires_grad=self.requires_grad)
@@ -474,11 +477,14 @@ class FSDPParam:
             # Async only into a fresh .grad (the host waits before the optimizer); adding needs values.
             host.copy_(grad, non_blocking=where.pin_memory and existing is None)
             grad = host
-        if existing is None:
+        plain = where.info.plain
+        if existing is not None:
+            (existing if plain else existing._local_tensor).add_(grad)  # type: ignore[attr-defined]
+        elif plain:
+            param.grad = grad.contiguous()
+        else:
             spec = param._spec  # type: ignore[attr-defined]
             param.grad = DTensor(grad.contiguous(), spec, requires_grad=False)  # type: ignore[call-arg]
-        else:
-            existing._local_tensor.add_(grad)  # type: ignore[attr-defined]
         # Autograd accumulates into the unsharded parameter: fire the sharded one's hooks here.
         hooks = param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
         if hooks:
@@ -493,10 +499,11 @@ class FSDPParam:
         if grad is None or grad.dtype == low:
             return
         mesh, placements, shape = self._spec()
-        local = grad._local_tensor.to(low)  # type: ignore[attr-defined]
+        plain = self.where.info.plain
+        local = (grad if plain else grad._local_tensor).to(low)  # type: ignore[attr-defined]
         param.grad = None
         param.grad_dtype = None  # type: ignore[attr-defined]  # any dtype: the next step's starts in ours
-        param.grad = dtensor_in_place(local, mesh, placements, shape, grad.stride())
+        param.grad = local if plain else dtensor_in_place(local, mesh, placements, shape, grad.stride())
 
     def add_partial_reduce(self, reduced: torch.Tensor) -> None:
         """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""
@@ -543,10 +550,15 @@ class FSDPParam:
         unseen = local.is_meta and self.where.info.device.type != "meta"
         self._seen = None if unseen else (local, wrapper_key(self.sharded_param))
 
-    def refuse_data_assignment(self) -> None:
-        """``p.data = t`` on the sharded parameter replaced only its DTensor wrapper's metadata, not
-        the shard DTensor computes with: put the wrapper back and say so."""
+    def data_assigned(self) -> None:
+        """``p.data = t`` on the sharded parameter. A plain parameter (`replicate(plain_params=True)`)
+        computes with its own storage: take the new one over (`sync_with_module`). A DTensor's
+        replaced only its wrapper's metadata, not the shard DTensor computes with: put the wrapper
+        back and say so."""
         param = self.sharded_param
+        if self.where.info.plain:
+            param._local_tensor = param.detach()  # type: ignore[attr-defined]
+            return
         param.data = self._make_sharded_param(self.local_shard).detach()
         self._mark_seen()
         raise ValueError(
@@ -586,6 +598,9 @@ class FSDPParam:
                 "parameter. Fix: tie the weights before fully_shard (e.g. model.tie_weights() first); "
                 "fully_shard then manages them as one."
             )
+        if self.where.info.plain and type(new) is nn.Parameter and new.shape == shape:
+            self.requires_grad = new.requires_grad  # kept as it is: its storage moves into ours at sync
+            return _plain_param(new, new.requires_grad, keep=True)
         if isinstance(new, DTensor):
             if new.shape == shape and new.device_mesh == mesh and tuple(new.placements) == placements:
                 keep = isinstance(new, nn.Parameter)
@@ -663,7 +678,9 @@ class FSDPParam:
                 bound_to_old = getattr(method, "__self__", None) is old
                 setattr(new, name, method.__func__.__get__(new) if bound_to_old else method)
         param = self.sharded_param
-        if param.device == new.device:
+        if self.where.info.plain:  # the parameter is the whole tensor: it moves into the new storage too
+            param.data = new
+        if param.device == new.device or self.where.info.plain:
             param._local_tensor = new  # type: ignore[attr-defined]
             return
         # The wrapper moved without its shard (module.cuda() on offloaded shards): a DTensor's device
@@ -711,8 +728,19 @@ def _padded_rows(moved: torch.Tensor, rows: int, first: int, count: int) -> torc
 
 
 def wrapper_key(param: torch.Tensor) -> int:
-    """The storage of a DTensor's wrapper: ``p.data = t`` replaces it (and nothing DTensor reads)."""
+    """The storage of a DTensor's wrapper: ``p.data = t`` replaces it (and nothing DTensor reads);
+    of a plain parameter, its storage: ``p.data = t`` replaces it."""
     return param.untyped_storage()._cdata
+
+
+def _plain_param(local: torch.Tensor, requires_grad: bool, keep: bool = False) -> nn.Parameter:
+    """A plain parameter over ``local``'s storage (``keep``: ``local`` is one already), with a
+    non-autograd alias of itself under the name DTensor keeps its local tensor (``_local_tensor``),
+    so the engine reads a plain parameter's storage and a DTensor's shard the same way. The alias
+    shares the parameter's version counter: writes through either are seen."""
+    param = local if keep else nn.Parameter(local, requires_grad=requires_grad)
+    param._local_tensor = param.detach()  # type: ignore[attr-defined]
+    return param
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

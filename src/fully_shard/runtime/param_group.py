@@ -245,7 +245,9 @@ class FSDPParamGroup:
             sp, seen = p.sharded_param, p._seen
             local = sp._local_tensor
             if seen is not None and local is seen[0] and wrapper_key(sp) != seen[1]:
-                p.refuse_data_assignment()  # p.data = t
+                p.data_assigned()  # p.data = t: taken over (plain) or refused
+                self.needs_sync = True
+                return
             if (
                 sp.requires_grad != p.requires_grad
                 or seen is None
