@@ -62,6 +62,12 @@ def main() -> None:
 
     start = 0
     if args.resume:
+        if not os.path.exists(os.path.join(args.ckpt, ".metadata")):  # said here, not in DCP's tracebacks
+            if rank == 0:
+                print(f"--resume: no checkpoint at {args.ckpt}. Fix: run without --resume first with the same "
+                      "--ckpt.", file=sys.stderr, flush=True)
+            dist.destroy_process_group()
+            sys.exit(2)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
         dcp.load(state, checkpoint_id=args.ckpt)

@@ -3,7 +3,7 @@
 Train a small Llama-style model on synthetic tokens with fully_shard: each transformer block is
 one communication group, the root holds the embedding (tied to the output projection) and the
 final norm. Runs on CPU with gloo by default; on GPUs the same command uses NCCL and the current
-device (torchrun sets LOCAL_RANK). Logs per step: loss, tokens/s and this rank's peak memory.
+device (torchrun sets LOCAL_RANK). Logs per step: loss, tokens/s and rank 0's memory, each labelled (shards, allocator peak or RSS).
 
 Options: --steps N --batch B (global) --seq-len S --dim D --layers L --device {auto,cpu,cuda}
          --bf16 (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 master weights)
@@ -51,10 +51,19 @@ def setup(device_arg: str) -> torch.device:
     return torch.device("cpu")
 
 
-def peak_memory_mib(device: torch.device) -> float:
+def memory_fields(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, float]:
+    """What this rank holds, each labelled: on an accelerator the allocator's peak; everywhere the
+    bytes of its parameter, gradient and optimizer-state shards; on CPU also the process's peak
+    resident memory, which is mostly the torch runtime (libraries, thread pools), not tensors."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    out = {"shards MiB (params+grads+optim)": sum(t.numel() * t.element_size() for t in tensors) / 2**20}
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # process peak RSS (KiB on Linux)
+        out["peak allocated MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        out["process peak RSS MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    return out
 
 
 def main() -> None:
@@ -94,16 +103,9 @@ def main() -> None:
         dist.all_reduce(global_loss)
         elapsed = time.perf_counter() - start
         if rank == 0:
-            print(f"step {step:3d}  loss {global_loss.item() / world:.4f}  "
-                  f"tokens/s {tokens_per_step / elapsed:9.0f}  peak mem rank0 {peak_memory_mib(device):.0f} MiB",
-                  flush=True)
-    # A tensor collective, not all_gather_object: object collectives pickle through numpy, which
-    # `pip install torch -e .` does not install.
-    peak = torch.tensor([peak_memory_mib(device)], dtype=torch.float64, device=device)
-    peaks = [torch.empty_like(peak) for _ in range(world)]
-    dist.all_gather(peaks, peak)
-    if rank == 0:
-        print(f"per-rank peak memory (MiB): {[round(p.item()) for p in peaks]}")
+            memory = "  ".join(f"{k} {v:.1f}" for k, v in memory_fields(model, optimizer, device).items())
+            print(f"step {step:3d}  loss {global_loss.item() / world:.4f}  tokens/s {tokens_per_step / elapsed:9.0f}  "
+                  f"rank0: {memory}", flush=True)
     shutdown()
 
 

@@ -610,3 +610,35 @@ except BuilderError as e:
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "refused", out.stderr[-2000:]
+
+
+def test_what_a_newcomer_hit_with_the_planner(tmp_path):
+    """Issue #25 item 6: a float model with the default token-id input is refused (the real run
+    would fail); an nn.Sequential is sharded child by child and the summary names the groups; the
+    loss can be named; a small plan is drawn in MiB with a title saying what the timeline holds."""
+    models = tmp_path / "models.py"
+    models.write_text(
+        "import torch\n"
+        "def wide():\n"
+        "    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(3)])\n"
+        "def mean_loss(out):\n"
+        "    return out.float().pow(2).mean()\n"
+    )
+    run = lambda *a: subprocess.run([sys.executable, "-m", "fully_shard.plan", f"{models}:wide", "--mesh", "2", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    bad = run("--input-shape", "4x256")
+    assert bad.returncode != 0 and "has no nn.Embedding, but the input is torch.int64" in bad.stderr, bad.stderr
+    assert "Fix: --input-dtype float" in bad.stderr and "Traceback" not in bad.stderr
+    ok = run("--input-shape", "4x256", "--input-dtype", "float", "--loss", f"{models}:mean_loss", "--png", str(tmp_path / "p"))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "All-gather groups: 0+1+2." in ok.stdout, ok.stdout  # each child sharded (one bucket)
+    assert ok.stdout.startswith("197,376 parameters;"), ok.stdout
+    assert f"Loss: {models}:mean_loss." in ok.stdout
+    from fully_shard.plan.draw import _title, _unit
+    from fully_shard.plan import simulate
+
+    plan = simulate(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.zeros(2, 8), mesh_shape=(2,))
+    assert _unit(plan.peak_bytes) == (1024, "KiB") and _unit(3 * 2**30) == (2**30, "GiB")
+    assert _title(plan) == "one training step, world 2 (mesh 2)"
+    two = dataclasses.replace(plan, timeline=[s for s in plan.timeline if s.label != "optimizer step"] * 2)
+    assert _title(two) == "2 forward/backward passes (no optimizer step recorded), world 2 (mesh 2)"

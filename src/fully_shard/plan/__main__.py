@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     build = load_builder(args.builder)
     shard_fn = load_builder(args.shard_fn) if args.shard_fn else None
     inputs = torch.zeros(shape, dtype=DTYPES[args.input_dtype])
+    _check_input_dtype(build, inputs, args.builder)
     if args.recommend is not None:
         recommend_table(args, build, inputs, meshes, names, shard_fn)
         return
@@ -166,9 +167,24 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {path}")
 
 
+def _check_input_dtype(build: Callable[[], Any], inputs: torch.Tensor, name: str) -> None:
+    """On the meta device a float layer takes an integer input without complaint, where the real
+    run fails: refuse token ids for a model with no embedding to read them."""
+    if inputs.is_floating_point():
+        return
+    with torch.device("meta"):
+        model = build()
+    if not any(isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) for m in model.modules()):
+        raise SystemExit(
+            f"{name} has no nn.Embedding, but the input is {inputs.dtype} (token ids, the default): the real "
+            "run would fail where the simulation on the meta device does not. Fix: --input-dtype float (or "
+            "bf16) for a model that takes features."
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line: what to simulate here, how to price and show it (`_add_report_options`)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fully_shard.plan", description=__doc__.splitlines()[0])
     p.add_argument("builder")
     p.add_argument("--input-shape", required=True, help="one rank's batch, e.g. 1x2048")
     p.add_argument("--input-dtype", default="long", choices=sorted(DTYPES))
@@ -182,6 +198,12 @@ def _parser() -> argparse.ArgumentParser:
         help="module:function or file.py:function taking (model, mesh) and applying fully_shard (and TP)",
     )
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument(
+        "--loss",
+        default=None,
+        help="module:function or file.py:function taking the model's output and returning the loss "
+        "(default: output.sum())",
+    )
     p.add_argument("--param-dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd", "none"])
     p.add_argument(
@@ -287,6 +309,7 @@ def _simulate_meshes(
             steps=args.steps,
             optimizer=None if args.optimizer == "none" else args.optimizer,
             backend=args.backend,
+            loss_fn=load_builder(args.loss) if args.loss else None,
         )
         for m in meshes
     ]
@@ -314,12 +337,26 @@ def _summary(
         f"{flops / 1e12:.3f} TFLOP/s" if flops is not None else f"{PRESETS[cluster].flops / 1e12:.0f} TFLOP/s"
     )
     return (
-        f"{plan.parameters / 1e9:.3f} B parameters; one rank's batch {tuple(shape)}; params "
+        f"{_count(plan.parameters)} parameters; one rank's batch {tuple(shape)}; params "
         f"{args.param_dtype}; optimizer {args.optimizer}; live tensor bytes of rank 0, last of {args.steps} "
         "steps. 'peak' is the op-level peak; the categories split the timeline point with the most bytes "
         f"('at the peak point'); the difference is one op's temporaries. Time: {cluster}, compute at "
-        f"{rate_text}.\n"
+        f"{rate_text}. Loss: {args.loss or 'output.sum()'}. {_groups(plan)}\n"
     )
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+
+
+def _groups(plan: Plan) -> str:
+    """Which modules communicate as groups (what the shard function sharded), in order."""
+    seen: list[str] = []
+    for r in plan.collectives:
+        if r.op == "all_gather" and r.module not in seen:
+            seen.append(r.module)
+    shown = ", ".join(seen[:6]) + (f", ... ({len(seen)} in all)" if len(seen) > 6 else "")
+    return f"All-gather groups: {shown}." if seen else "No all-gather (nothing sharded)."
 
 
 def recommend_table(

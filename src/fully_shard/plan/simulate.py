@@ -130,8 +130,8 @@ def default_shard_fn(
     bucket_bytes: Optional[int] = None,
 ) -> None:
     """Every block (the children of the outermost ``nn.ModuleList`` holding the most parameters,
-    e.g. ``model.layers``), then the root, with these ``fully_shard`` settings (and the root's
-    ``set_bucket_bytes``, when given)."""
+    e.g. ``model.layers``; for an ``nn.Sequential`` without one, each child with parameters), then
+    the root, with these ``fully_shard`` settings (and the root's ``set_bucket_bytes``, when given)."""
     from ..api.sharding import fully_shard
     from ..layouts.policy import MixedPrecisionPolicy
 
@@ -150,8 +150,15 @@ def default_shard_fn(
     }
     outer = [m for m in lists if id(m) not in nested]  # not the experts inside each layer of an MoE
     if outer:
-        for block in max(outer, key=lambda m: sum(p.numel() for p in m.parameters())):
-            fully_shard(block, **kwargs)
+        blocks = list(max(outer, key=lambda m: sum(p.numel() for p in m.parameters())))
+    else:  # an nn.Sequential: each child that holds parameters is a block
+        blocks = (
+            [c for c in model.children() if any(True for _ in c.parameters())]
+            if isinstance(model, nn.Sequential)
+            else []
+        )
+    for block in blocks:
+        fully_shard(block, **kwargs)
     root = fully_shard(
         model, **{**kwargs, "reshard_after_forward": None}
     )  # the root keeps its parameters for backward
