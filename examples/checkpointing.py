@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ def latest(root: str) -> Path | None:
 
 
 def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict[str, Any], keep: int = 2) -> Path:
+         extra: dict[str, Any], keep: int = 2, after_write: Callable[[], None] | None = None) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -63,6 +63,8 @@ def save(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Op
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rng": torch.get_rng_state()}
     dcp.save(state, checkpoint_id=str(partial))
+    if after_write is not None:  # a fault drill (examples/faults.py): die before the checkpoint is published
+        after_write()
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
         meta = {"step": step, "world_size": dist.get_world_size(), **extra}

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpointing  # noqa: E402
+import faults  # noqa: E402
 import textdata  # noqa: E402
 from llama_model import Llama, LlamaConfig, loss_fn  # noqa: E402
 from teardown import shutdown  # noqa: E402
@@ -75,19 +76,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps of this run, as if interrupted")
     p.add_argument("--fp64", action="store_true", help="train in float64 (tests compare runs across world sizes)")
+    p.add_argument("--kill-at-step", type=int, default=None,
+                   help="fault drill: --kill-rank dies (SIGKILL) in this step's backward, first attempt only")
+    p.add_argument("--kill-in-save", type=int, default=None,
+                   help="fault drill: --kill-rank dies while the checkpoint of this step is written")
+    p.add_argument("--kill-rank", type=int, default=1)
     args = p.parse_args(argv)
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt")
     return args
+
+
+def init_process_group(backend: str) -> None:
+    """``dist.init_process_group(backend)``, with the store's keys kept apart per torchrun attempt.
+    After ``torchrun --max-restarts`` relaunches the workers, they meet in the same rendezvous
+    store as the attempt before (the agent's, without a per-attempt prefix): the process group's
+    keys from the dead attempt are still there, and a rank could read a dead peer's address
+    (seen: gloo's "connectFullMesh failed ... Connection refused", or a hang)."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt_{faults.restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world)
 
 
 def setup(args: argparse.Namespace) -> torch.device:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        init_process_group("nccl")
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
         device = torch.device("cpu")
     preset = PRESETS[("gpu" if use_cuda else "cpu") if args.preset == "auto" else args.preset]
     for key, value in preset.items():
@@ -288,8 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer = build(args, device)
     params = sum(p.numel() for p in model.parameters())
     start, curve, evals, stop = 0, [], [], StopRequest()
-    if args.resume:
-        path = checkpointing.latest(args.ckpt)
+    fault = faults.Faults(args.kill_at_step, args.kill_in_save, args.kill_rank, rank)
+    restarted = faults.restart_count() > 0  # torchrun --max-restarts relaunched us: continue if we can
+    path = checkpointing.latest(args.ckpt) if args.resume or restarted else None
+    if args.resume or (restarted and path is not None):
         if path is None:  # said once, and every rank leaves cleanly
             if rank == 0:
                 print(f"--resume: no checkpoint at {args.ckpt} (none complete). Fix: train without --resume "
@@ -298,24 +317,32 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         meta = checkpointing.load(path, model, optimizer)
         start, curve, evals = meta["step"], meta["curve"], meta["evals"]
+        if rank == 0:
+            print(f"resumed from {path} at t={time.time():.3f}"
+                  + (f" (restart {faults.restart_count()} by torchrun)" if restarted else ""), flush=True)
+    elif restarted and rank == 0:
+        print(f"restart {faults.restart_count()} by torchrun: no complete checkpoint in {args.ckpt} yet, starting "
+              "from step 0", flush=True)
     if rank == 0:
         print(textdata.describe(corpus))
         print(f"model: {params / 1e6:.2f}M parameters ({args.layers} blocks, dim {args.dim}), world {world} "
               f"({args.mesh}) on {device.type}{', bf16 compute' if args.bf16 else ''}; global batch "
               f"{args.batch} x {args.seq_len} bytes; steps {start}..{args.steps}"
-              + (f" (resumed from {path})" if args.resume else ""), flush=True)
+              + (f" (resumed from {path})" if start else ""), flush=True)
     unigram = corpus.unigram_bits_per_byte()
     progress = Progress(start, args.steps, args.log_every, rank == 0)
     tokens_per_step, t0, step, memory = args.batch * args.seq_len, time.perf_counter(), start, ""
 
     def checkpoint(at: int) -> None:
-        path = checkpointing.save(args.ckpt, at, model, optimizer, {"curve": curve, "evals": evals})
+        path = checkpointing.save(args.ckpt, at, model, optimizer, {"curve": curve, "evals": evals},
+                                  after_write=fault.in_save(at))
         progress.write(f"checkpoint: {path}")
 
     for step in range(start, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = train.rank_batch(step, rank, world)
+        fault.arm_backward(model, step)
         tic = time.perf_counter()
         loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
