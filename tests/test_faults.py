@@ -20,25 +20,26 @@ def _with_restarts(out: str, *extra: str) -> subprocess.CompletedProcess:
     return done
 
 
-def test_a_rank_killed_in_backward_restarts_and_resumes_bit_identically(tmp_path):
+def _drill(tmp_path, *fault: str) -> tuple[str, list[float], list[float]]:
+    """An uninterrupted run and one with ``fault`` (checkpoints every 3 of 8 steps): the faulty
+    run's output and both runs' losses."""
     whole, hurt = str(tmp_path / "whole"), str(tmp_path / "hurt")
     _run(2, whole, "--steps", "8", "--ckpt-every", "3")
-    done = _with_restarts(hurt, "--steps", "8", "--ckpt-every", "3", "--kill-at-step", "5", "--kill-rank", "1")
-    text = done.stdout + done.stderr
+    done = _with_restarts(hurt, "--steps", "8", "--ckpt-every", "3", *fault, "--kill-rank", "1")
+    return done.stdout + done.stderr, _losses(whole), _losses(hurt)
+
+
+def test_a_rank_killed_in_backward_restarts_and_resumes_bit_identically(tmp_path):
+    text, a, b = _drill(tmp_path, "--kill-at-step", "5")
     assert "fault: rank 1 killed in the backward of step 5" in text, text[-3000:]
     assert re.search(r"resumed from .*step_00000003 at t=[0-9.]+ \(restart 1 by torchrun\)", text), text[-3000:]
-    a, b = _losses(whole), _losses(hurt)
     assert len(a) == len(b) == 8 and a == b, (a, b)
 
 
 def test_a_rank_killed_while_saving_never_loads_the_half_written_checkpoint(tmp_path):
-    whole, hurt = str(tmp_path / "whole"), str(tmp_path / "hurt")
-    _run(2, whole, "--steps", "8", "--ckpt-every", "3")
-    done = _with_restarts(hurt, "--steps", "8", "--ckpt-every", "3", "--kill-in-save", "6", "--kill-rank", "1")
-    text = done.stdout + done.stderr
+    text, a, b = _drill(tmp_path, "--kill-in-save", "6")
     assert "fault: rank 1 killed while saving the checkpoint of step 6" in text, text[-3000:]
     assert re.search(r"resumed from .*step_00000003 at", text), text[-3000:]  # not the half-written step 6
-    a, b = _losses(whole), _losses(hurt)
     assert a == b, (a, b)
-    ckpt = os.path.join(hurt, "ckpt")
+    ckpt = os.path.join(str(tmp_path / "hurt"), "ckpt")
     assert sorted(os.listdir(ckpt)) == ["latest", "step_00000006", "step_00000008"], os.listdir(ckpt)
