@@ -87,4 +87,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # nothing of the drill outlives it (a failed run would hold its ports)
+        kill_group(0)
+        kill_group(1)

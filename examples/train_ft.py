@@ -50,15 +50,18 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    # The sharded parameters, taken once between steps. torchft calls state_dict() from its own
+    # thread (to send the state to a group that rejoins) while this one may be in a forward: the
+    # callbacks read and write these shards only, never the module (whose places hold the
+    # unsharded parameters during a forward; model.state_dict() from another thread races with it).
+    shards = dict(model.named_parameters())
+
     def state_dict():  # this rank's shards: group rank r of every group holds the same layout
-        return {
-            "model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
-            "optim": inner.state_dict(),
-        }
+        return {"model": {k: v.to_local().clone() for k, v in shards.items()}, "optim": inner.state_dict()}
 
     def load_state_dict(sd):
         with torch.no_grad():
-            for k, v in model.state_dict().items():
+            for k, v in shards.items():
                 v.to_local().copy_(sd["model"][k])
         inner.load_state_dict(sd["optim"])
 
