@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_model import Llama, LlamaConfig, loss_fn, synthetic_batch  # noqa: E402
 from teardown import shutdown  # noqa: E402
+from train import state_mib  # noqa: E402  (the main job's count of a rank's shards)
 
 from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
@@ -55,10 +56,7 @@ def memory_fields(model: torch.nn.Module, optimizer: torch.optim.Optimizer, devi
     """What this rank holds, each labelled: on an accelerator the allocator's peak; everywhere the
     bytes of its parameter, gradient and optimizer-state shards; on CPU also the process's peak
     resident memory, which is mostly the torch runtime (libraries, thread pools), not tensors."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
-    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    out = {"shards MiB (params+grads+optim)": sum(t.numel() * t.element_size() for t in tensors) / 2**20}
+    out = {"shards MiB (params+grads+optim)": state_mib(model, optimizer)}
     if device.type == "cuda":
         out["peak allocated MiB"] = torch.cuda.max_memory_allocated(device) / 2**20
     else:
