@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps of this run, as if interrupted")
     p.add_argument("--fp64", action="store_true", help="train in float64 (tests compare runs across world sizes)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels only (torch.use_deterministic_algorithms): on a GPU, what makes "
+                        "a resumed run bit-identical to an uninterrupted one")
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="fault drill: --kill-rank dies (SIGKILL) in this step's backward, first attempt only")
     p.add_argument("--kill-in-save", type=int, default=None,
@@ -99,6 +102,9 @@ def init_process_group(backend: str) -> None:
 
 def setup(args: argparse.Namespace) -> torch.device:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at its first use
+        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one says so
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group("nccl")
@@ -158,6 +164,23 @@ def state_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float
     tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
     tensors += [local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
+
+
+PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12)]  # dense, spec sheets
+
+
+def mfu(args, model: torch.nn.Module, tokens_per_s_per_rank: float, device: torch.device) -> float | None:
+    """Model FLOPs utilisation: the model's FLOPs per token (6 per matmul weight, PaLM's 12 L d T for
+    attention) times tokens/s per rank, over the device's dense bf16 peak (None off a known GPU)."""
+    if device.type != "cuda" or not args.bf16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((value for key, value in PEAK_BF16 if key in name), None)
+    if peak is None:
+        return None
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # the tied embedding once: the output
+    per_token = 6 * matmul + 12 * args.layers * args.dim * args.seq_len
+    return per_token * tokens_per_s_per_rank / peak
 
 
 def memory_line(model, optimizer, device: torch.device) -> str:
@@ -255,12 +278,16 @@ def save_outputs(args, curve: list[dict], evals: list[dict], summary: dict, samp
     out.mkdir(parents=True, exist_ok=True)
     rows = [("steps", summary["steps"]), ("tokens seen", f"{summary['tokens']:,}"),
             ("parameters", f"{summary['params'] / 1e6:.2f}M"), ("world", summary["world"]),
-            ("wall time (this run)", f"{summary['seconds']:.0f} s"), ("tokens/s", f"{summary['tokens_per_s']:,.0f}"),
+            ("wall time (this run)", f"{summary['seconds']:.0f} s"), ("device", summary["device"]),
+            ("tokens/s (whole run: evaluations and checkpoints included)", f"{summary['tokens_per_s']:,.0f}"),
+            ("tokens/s (median training step)", f"{summary['step_tokens_per_s']:,.0f}"),
+            *([("MFU (median step, of the bf16 dense peak)", f"{summary['mfu']:.1%}")] if summary["mfu"] else []),
             ("final train loss", f"{summary['train_loss']:.4f}"),
             ("validation loss", f"{summary['val_loss']:.4f}"), ("validation bits/byte", f"{summary['val_bpb']:.3f}"),
             ("unigram baseline bits/byte", f"{summary['unigram_bpb']:.3f}"), ("memory", summary["memory"])]
     table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
     (out / "summary.md").write_text(table + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "samples.txt").write_text("".join(f"--- {p!r}\n{s}\n" for p, s in samples.items()))
     print(table)
     for prompt, text in samples.items():
@@ -332,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     unigram = corpus.unigram_bits_per_byte()
     progress = Progress(start, args.steps, args.log_every, rank == 0)
     tokens_per_step, t0, step, memory = args.batch * args.seq_len, time.perf_counter(), start, ""
+    step_seconds: list[float] = []
 
     def checkpoint(at: int) -> None:
         path = checkpointing.save(args.ckpt, at, model, optimizer, {"curve": curve, "evals": evals},
@@ -348,11 +376,12 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        value = global_mean(loss)
+        value = global_mean(loss)  # waits for the step: the time below is the step's
+        step_seconds.append(time.perf_counter() - tic)
         curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": value})
         if step == start or (step + 1) % args.log_every == 0:
             memory = memory_line(model, optimizer, device)
-        speed = tokens_per_step / (time.perf_counter() - tic)
+        speed = tokens_per_step / step_seconds[-1]
         progress.update(step, args.steps, {"loss": f"{value:.4f}", "tok/s": f"{speed:,.0f}", "mem": memory})
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             v = evaluate(model, val, args.eval_batches, device)
@@ -379,8 +408,11 @@ def main(argv: list[str] | None = None) -> None:
         done = args.steps - start
         summary = {"steps": args.steps, "tokens": args.steps * tokens_per_step, "params": params, "world": world,
                    "seconds": seconds, "tokens_per_s": done * tokens_per_step / max(seconds, 1e-9),
+                   "step_tokens_per_s": tokens_per_step / sorted(step_seconds)[len(step_seconds) // 2],
                    "train_loss": curve[-1]["loss"], "val_loss": evals[-1]["loss"], "val_bpb": evals[-1]["bpb"],
-                   "unigram_bpb": unigram, "memory": memory}
+                   "unigram_bpb": unigram, "memory": memory,
+                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+        summary["mfu"] = mfu(args, model, summary["step_tokens_per_s"] / world, device)
         save_outputs(args, curve, evals, summary, samples)
     shutdown()
 
