@@ -104,7 +104,7 @@ def setup(args: argparse.Namespace) -> torch.device:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS reads it at its first use
-        torch.use_deterministic_algorithms(True, warn_only=True)  # an op without one says so
+        torch.use_deterministic_algorithms(True)  # warn_only=True would leave flash attention nondeterministic
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         init_process_group("nccl")
