@@ -47,7 +47,7 @@ from fully_shard import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 PRESETS = {  # the defaults of each preset; an option given on the command line wins
     "cpu": dict(steps=600, batch=16, seq_len=128, dim=128, layers=4, heads=4, lr=3e-3, eval_every=100, ckpt_every=200),
-    "gpu": dict(steps=2000, batch=64, seq_len=512, dim=768, layers=12, heads=12, lr=1e-3, eval_every=200,
+    "gpu": dict(steps=1000, batch=64, seq_len=512, dim=768, layers=12, heads=12, lr=1e-3, eval_every=100,
                 ckpt_every=500),
 }
 PROMPTS = ["def ", "import ", "class Parser"]
