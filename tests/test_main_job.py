@@ -114,3 +114,35 @@ def test_the_corpus_is_split_by_file_and_sharded_by_rank():
     x, y = batches.sequences_at(torch.tensor([0]))
     assert torch.equal(x[0, 1:], y[0, :-1])  # targets are the inputs shifted by one byte
     assert 3.0 < corpus.unigram_bits_per_byte() < 8.0
+
+
+def test_the_summary_reports_speed_and_memory_and_deterministic_mode_runs(tmp_path):
+    out = str(tmp_path / "run")
+    _run(1, out, "--steps", "3", "--deterministic")
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == 3 and summary["world"] == 1 and summary["device"] == "cpu"
+    assert summary["tokens"] == 3 * 8 * 32
+    assert summary["tokens_per_s"] > 0 and summary["step_tokens_per_s"] > 0
+    assert summary["mfu"] is None  # only bf16 on a GPU of known peak
+    assert summary["memory"].startswith("params+grads+optim MiB/rank ")
+
+
+def test_mfu_counts_matmul_weights_and_attention_over_the_bf16_peak(monkeypatch):
+    import argparse
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    import train
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))  # 32 matmul weights; 1-D ones not
+    args = argparse.Namespace(bf16=True, layers=2, dim=4, seq_len=16)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    per_token = 6 * 32 + 12 * 2 * 4 * 16
+    assert train.mfu(args, model, 1e9, torch.device("cuda")) == per_token * 1e9 / 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert train.mfu(args, model, 1e9, torch.device("cuda")) == per_token * 1e9 / 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    assert train.mfu(args, model, 1e9, torch.device("cuda")) is None
+    assert train.mfu(args, model, 1e9, torch.device("cpu")) is None
+    assert train.mfu(argparse.Namespace(bf16=False, layers=2, dim=4, seq_len=16), model, 1e9,
+                     torch.device("cuda")) is None
