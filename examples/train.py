@@ -11,6 +11,8 @@ bit for bit, and at the end a summary table, a loss-curve PNG and a few generate
 CPU/gloo by default (the ``cpu`` preset finishes in a few minutes on 2 cores); on GPUs the same
 command uses NCCL, bf16 compute and the ``gpu`` preset. ``--mesh hsdp --replicas R`` shards within
 groups of ``world / R`` ranks and replicates across the ``R`` groups (one per node: docs/multinode.md).
+``--ft``: this torchrun is one replica group of a fault-tolerant job (torchft; the others keep
+training while a group is lost and replaced: docs/fault_tolerance.md, examples/ftmode.py).
 
     torchrun --nproc-per-node 2 examples/train.py                       # train (runs/main)
     torchrun --nproc-per-node 2 examples/train.py --resume              # continue from runs/main/ckpt
@@ -19,6 +21,7 @@ groups of ``world / R`` ranks and replicates across the ``R`` groups (one per no
 Options (``--help`` for all): --steps --batch (global sequences) --seq-len --dim --layers --heads
 --lr --eval-every --eval-batches --ckpt-every --out --ckpt --resume --data --max-bytes --preset
 {auto,cpu,gpu} --device {auto,cpu,cuda} --bf16 --mesh {fsdp,hsdp} --replicas --log-every --samples
+--deterministic --ft; fault drills: --kill-at-step --kill-in-save --kill-rank --min-step-seconds
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpointing  # noqa: E402
 import faults  # noqa: E402
+import ftmode  # noqa: E402
 import textdata  # noqa: E402
 from llama_model import Llama, LlamaConfig, loss_fn  # noqa: E402
 from teardown import shutdown  # noqa: E402
@@ -84,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-in-save", type=int, default=None,
                    help="fault drill: --kill-rank dies while the checkpoint of this step is written")
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--ft", action="store_true",
+                   help="fault-tolerant replica groups with torchft: this torchrun is one group (env TORCHFT_LIGHTHOUSE, "
+                        "REPLICA_GROUP_ID, NUM_REPLICA_GROUPS; docs/fault_tolerance.md)")
+    p.add_argument("--min-step-seconds", type=float, default=0.0,
+                   help="fault drill: each step lasts at least this long (so that a drill's kill lands mid-run)")
     args = p.parse_args(argv)
     args.ckpt = args.ckpt or os.path.join(args.out, "ckpt")
     return args
@@ -324,13 +333,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = setup(args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}")
+    groups = int(os.environ.get("NUM_REPLICA_GROUPS", 1)) if args.ft else 1
+    if args.batch % (world * groups):
+        raise SystemExit(f"--batch {args.batch} must be divisible by the world size {world}"
+                         + (f" times the {groups} replica groups" if args.ft else ""))
     corpus = textdata.load_corpus(args.data, args.max_bytes)
     train = textdata.Batches(corpus.train, args.seq_len, args.batch, args.seed)
     val = textdata.Batches(corpus.val, args.seq_len, args.batch, args.seed)
     model, optimizer = build(args, device)
     params = sum(p.numel() for p in model.parameters())
+    ft = ftmode.ReplicaGroups(model, optimizer, device, rank, world) if args.ft else None
+    slot, slots = (ft.group * world + rank, ft.groups * world) if ft else (rank, world)  # this rank's part of a batch
     start, curve, evals, stop = 0, [], [], StopRequest()
     fault = faults.Faults(args.kill_at_step, args.kill_in_save, args.kill_rank, rank)
     restarted = faults.restart_count() > 0  # torchrun --max-restarts relaunched us: continue if we can
@@ -344,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         meta = checkpointing.load(path, model, optimizer)
         start, curve, evals = meta["step"], meta["curve"], meta["evals"]
+        if ft is not None:
+            ft.resume_at(start)
         if rank == 0:
             print(f"resumed from {path} at t={time.time():.3f}"
                   + (f" (restart {faults.restart_count()} by torchrun)" if restarted else ""), flush=True)
@@ -353,36 +368,55 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(textdata.describe(corpus))
         print(f"model: {params / 1e6:.2f}M parameters ({args.layers} blocks, dim {args.dim}), world {world} "
-              f"({args.mesh}) on {device.type}{', bf16 compute' if args.bf16 else ''}; global batch "
+              f"({args.mesh}) on {device.type}{', bf16 compute' if args.bf16 else ''}"
+              + (f", replica group {ft.group} of {ft.groups} (torchft)" if ft else "") + "; global batch "
               f"{args.batch} x {args.seq_len} bytes; steps {start}..{args.steps}"
               + (f" (resumed from {path})" if start else ""), flush=True)
     unigram = corpus.unigram_bits_per_byte()
     progress = Progress(start, args.steps, args.log_every, rank == 0)
     tokens_per_step, t0, step, memory = args.batch * args.seq_len, time.perf_counter(), start, ""
     step_seconds: list[float] = []
+    seen_groups = ""
 
     def checkpoint(at: int) -> None:
         path = checkpointing.save(args.ckpt, at, model, optimizer, {"curve": curve, "evals": evals},
                                   after_write=fault.in_save(at))
         progress.write(f"checkpoint: {path}")
 
-    for step in range(start, args.steps):
+    step = start
+    while step < args.steps:
+        tic = time.perf_counter()
+        if ft is not None:  # the quorum; a group behind the others first copies a live one's state
+            step = ft.begin_step()
+            if step >= args.steps:
+                break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = train.rank_batch(step, rank, world)
+        x, y = train.rank_batch(step, slot, slots)
         fault.arm_backward(model, step)
-        tic = time.perf_counter()
         loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if ft is not None and not ft.end_step(step):  # not every group's step was good: computed again
+            progress.write(f"step {step + 1}: not committed by every replica group; computed again")
+            continue
+        if ft is None:
+            optimizer.step()
+            optimizer.zero_grad()
         value = global_mean(loss)  # waits for the step: the time below is the step's
+        time.sleep(max(0.0, args.min_step_seconds - (time.perf_counter() - tic)))
         step_seconds.append(time.perf_counter() - tic)
         curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": value})
         if step == start or (step + 1) % args.log_every == 0:
             memory = memory_line(model, optimizer, device)
         speed = tokens_per_step / step_seconds[-1]
-        progress.update(step, args.steps, {"loss": f"{value:.4f}", "tok/s": f"{speed:,.0f}", "mem": memory})
+        fields = {"loss": f"{value:.4f}", "tok/s": f"{speed:,.0f}", "mem": memory}
+        if ft is not None:  # replica groups in this step (torchft's quorum, less a group copying state)
+            fields["groups"] = str(ft.manager.num_participants())
+            if fields["groups"] != seen_groups:
+                progress.write(f"step {step + 1}: {fields['groups']} replica group(s) in the quorum (was "
+                               f"{seen_groups or '-'}) at t={time.time():.3f}")
+                seen_groups = fields["groups"]
+        progress.update(step, args.steps, fields)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             v = evaluate(model, val, args.eval_batches, device)
             evals.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "loss": v,
@@ -398,8 +432,11 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 print(f"stopped after step {step + 1} ({'a signal' if stop.asked else '--stop-after'}); "
                       "resume with --resume", flush=True)
+            if ft is not None:
+                ft.shutdown()
             shutdown()
             return
+        step += 1
     progress.close()
     seconds = time.perf_counter() - t0
     write_metrics(args, curve, evals)
@@ -414,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
         summary["mfu"] = mfu(args, model, summary["step_tokens_per_s"] / world, device)
         save_outputs(args, curve, evals, summary, samples)
+    if ft is not None:
+        ft.shutdown()
     shutdown()
 
 

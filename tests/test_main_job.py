@@ -10,9 +10,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import pytest
 import torch
 
 from _parity import TOL64

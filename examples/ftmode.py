@@ -1,0 +1,106 @@
+"""The main job's fault-tolerant replica groups (``examples/train.py --ft``; docs/fault_tolerance.md).
+
+HSDP whose replicate dimension is managed by torchft: each replica group is one ``torchrun``
+whose ranks ``fully_shard`` the model among themselves; a torchft lighthouse keeps the quorum of
+live groups; after our reduce-scatter inside the group, every reduced gradient shard is averaged
+across the groups of the current quorum by ``Manager.allreduce`` (through ``set_all_reduce_hook``);
+torchft's ``OptimizerWrapper`` applies a step only when every group's step was good. A group that
+(re)joins copies the weights and optimizer state from a live one.
+
+Environment (as torchft's own examples): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address),
+``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``. Needs the optional ``[ft]`` extra (torchft).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from fully_shard import FSDPModule
+
+
+def _forget_dead_manager(rank: int) -> None:
+    """torchft's Manager finds its group's manager (served by group rank 0) through a key in the
+    torchrun store (``MASTER_ADDR:MASTER_PORT``), without a per-attempt prefix. After ``torchrun
+    --max-restarts`` relaunched the group, that key still names the dead attempt's manager, and a
+    rank that reads it before rank 0 rewrites it waits on a dead address until the quorum times
+    out (seen: the whole job stuck for 60 s, then failed). Rank 0 deletes the stale keys between
+    two barriers of this attempt's process group, so every rank reads this attempt's address."""
+    import torch.distributed as dist
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    dist.barrier()
+    if rank == 0:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              wait_for_workers=False)
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+    dist.barrier()
+
+
+class ReplicaGroups:
+    """torchft's Manager wired to a model sharded with ``fully_shard`` inside this group."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
+                 world: int, timeout_s: float = 10.0) -> None:
+        try:
+            from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+            from torchft.optim import OptimizerWrapper
+        except ImportError as e:
+            raise SystemExit(f"--ft needs torchft ({e}). Fix: pip install -e '.[ft]'") from None
+        missing = [k for k in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS") if k not in os.environ]
+        if missing:
+            raise SystemExit(f"--ft: {', '.join(missing)} not set. Fix: start a lighthouse (torchft_lighthouse, or "
+                             "examples/ft_drill.py) and give every group's torchrun TORCHFT_LIGHTHOUSE=http://host:port, "
+                             "REPLICA_GROUP_ID=<0..N-1>, NUM_REPLICA_GROUPS=<N> (docs/fault_tolerance.md)")
+        self.group, self.groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+        self.inner = optimizer
+        # The sharded parameters, taken once between steps. torchft calls state_dict() from its own
+        # thread (to serve a group that rejoins) while this one may be in a forward, whose module
+        # places hold the unsharded parameters: the callbacks touch these shards only, never the
+        # module. The shards change only in optimizer.step(), which torchft runs after the
+        # rejoining group has fetched them (should_commit waits for every group's vote).
+        self.shards = dict(model.named_parameters())
+        _forget_dead_manager(rank)
+        pg = ProcessGroupNCCL(timeout=timedelta(seconds=timeout_s)) if device.type == "cuda" else \
+            ProcessGroupGloo(timeout=timedelta(seconds=timeout_s))
+        self.manager = Manager(
+            pg=pg, min_replica_size=1, load_state_dict=self._load, state_dict=self._state,
+            replica_id=f"group{self.group}", timeout=timedelta(seconds=timeout_s), rank=rank, world_size=world,
+            use_async_quorum=False,  # the quorum (and any healing) is done when zero_grad returns: the step is known
+        )
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(self._across_groups)
+        self.optimizer = OptimizerWrapper(self.manager, optimizer)
+
+    def _across_groups(self, reduced: torch.Tensor) -> None:  # after our reduce-scatter in the group
+        self.manager.allreduce(reduced).wait()
+
+    def _state(self) -> dict:  # this rank's shards: group rank r of every group holds the same layout
+        return {"model": {k: v.to_local().clone() for k, v in self.shards.items()}, "optim": self.inner.state_dict()}
+
+    def _load(self, sd: dict) -> None:
+        with torch.no_grad():
+            for k, v in self.shards.items():
+                v.to_local().copy_(sd["model"][k])
+        self.inner.load_state_dict(sd["optim"])
+
+    def begin_step(self) -> int:
+        """Join the quorum (healing from a live group if this one is behind); the step to compute."""
+        self.optimizer.zero_grad()
+        return self.manager.current_step()
+
+    def end_step(self, step: int) -> bool:
+        """Apply the step if every group's was good; whether it was (if not, it is computed again)."""
+        self.optimizer.step()
+        return self.manager.current_step() == step + 1
+
+    def resume_at(self, step: int) -> None:
+        """After loading this group's own checkpoint of ``step``: the manager counts from there."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.state_dict()["batches_committed"]})
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
