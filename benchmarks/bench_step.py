@@ -185,6 +185,7 @@ def build(name: str, args: argparse.Namespace) -> Impl:
     else:
         mesh = init_device_mesh(device.type, (world,))
     dtype = PARAM_DTYPES[args.param_dtype]
+    name, _, compiled = name.partition("+")  # +blocks: each block compiled; +model: the whole model
     if name.startswith("ours"):
         from fully_shard import MixedPrecisionPolicy, fully_shard
 
@@ -215,7 +216,12 @@ def build(name: str, args: argparse.Namespace) -> Impl:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     else:
         raise ValueError(name)
-    return Impl(name, model, args.model, device)
+    if compiled == "blocks":  # in place, after sharding: the hooks stay outside each block's graph
+        for block in blocks:
+            block.compile(backend=args.compile_backend)
+    elif compiled == "model":  # ours: one graph, the collectives in it (docs/compile.md)
+        model.compile(backend=args.compile_backend, fullgraph=True)
+    return Impl(name + (f"+{compiled}" if compiled else ""), model, args.model, device)
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -385,6 +391,10 @@ def main() -> None:
                    help="cuda: NCCL, one GPU per rank (LOCAL_RANK), memory from the device's caching allocator")
     p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="llama's vocabulary size")
     p.add_argument("--heads", type=int, default=DEFAULT_HEADS, help="llama's attention heads (must divide --dim)")
+    p.add_argument("--compile", action="store_true",
+                   help="rows: ours eager, ours+blocks (each block compiled), ours+model (the whole model, "
+                        "collectives in the graph), torch_fsdp2+blocks; the first step's time (compiling) is reported")
+    p.add_argument("--compile-backend", default="inductor")
     args = p.parse_args()
     defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
     args.dim = args.dim if args.dim is not None else defaults[0]
@@ -400,6 +410,8 @@ def main() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
     names = ["ours", "torch_fsdp2", "ddp"] if args.param_dtype == "fp32" else ["ours", "torch_fsdp2"]
+    if args.compile:
+        names = ["ours", "ours+blocks", "ours+model", "torch_fsdp2+blocks"]
     if args.unbucketed:
         names.insert(1, "ours_unbucketed")
     for n in args.in_flight:
@@ -412,9 +424,15 @@ def main() -> None:
     memory, comm, reserved = measure_memory(names, args)
 
     impls = [build(name, args) for name in names]
+    first_step: dict[str, float] = {}  # seconds: compiling, for the compiled rows
     for impl in impls:
         for s in range(args.warmup):
+            synchronize(device)
+            tic = time.perf_counter()
             impl.step(s, args)
+            synchronize(device)
+            if s == 0:
+                first_step[impl.name] = time.perf_counter() - tic
     for r in range(args.rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]
         for impl in order:
@@ -437,6 +455,12 @@ def main() -> None:
 
     if rank == 0:
         table, rows = report(names, args, device, world, medians, spans, host, peaks, reserved_peaks, comm)
+        if args.compile:
+            d, c = medians["torch_fsdp2+blocks"], medians["ours+model"]
+            mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
+            table += (f"\nwhole model compiled (ours+model) / PyTorch per-block compiled (torch_fsdp2+blocks): step "
+                      f"time {c / d:.2f}x, peak memory {mib['ours+model'] / mib['torch_fsdp2+blocks']:.2f}x\n"
+                      "first step (compiling), s: " + ", ".join(f"{n} {first_step[n]:.1f}" for n in names) + "\n")
         emit(table, args.out)
         if args.json:
             with open(args.json, "w") as f:

@@ -124,9 +124,15 @@ def _in_place_compile(form: str, fullgraph: bool) -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("form,fullgraph", [("block", False), ("block", True), ("model", False)])
 def test_in_place_compile_matches_torch_fully_shard(ranks, world_size, form, fullgraph):
-    """``block.compile()`` (torchtitan: with fullgraph=True) and ``model.compile()`` after
-    fully_shard: our hooks run outside the compiled graphs, so dynamo makes exactly as many graphs
-    as with PyTorch's fully_shard, and aot_eager losses equal PyTorch's bit for bit."""
+    """``block.compile()`` (torchtitan: with fullgraph=True) after fully_shard: our hooks run
+    outside the compiled graphs, so dynamo makes exactly as many graphs as with PyTorch's
+    fully_shard. ``model.compile()``: ours traces the whole model, collectives included, as one
+    graph (PyTorch's makes 2: its hooks break the graph; tests/test_traced.py). aot_eager losses
+    equal PyTorch's bit for bit either way."""
     for r in ranks(world_size).run(_in_place_compile, form, fullgraph):
         print(f"{form} fullgraph={fullgraph} world {world_size}: {r}")
-        assert r["ours_graphs"] == r["torch_graphs"] and r["loss_diff"] == 0.0, r
+        assert r["loss_diff"] == 0.0, r
+        if form == "block":
+            assert r["ours_graphs"] == r["torch_graphs"], r
+        else:
+            assert (r["ours_graphs"], r["torch_graphs"]) == (1, 2), r

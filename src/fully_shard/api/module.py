@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..runtime.lifecycle import Event
+from ..runtime.lifecycle import Event, TrainingPhase
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.registry import class_name
 from ..features import finite
@@ -50,7 +50,7 @@ class FSDPModule:
         ``copy.deepcopy`` (no arguments) keeps the sharded class."""
         if not args and not kwargs:
             return super().__new__(cls)
-        original = cls.__bases__[-1]
+        original = getattr(cls, "_fsdp_original_class", cls.__bases__[-1])
         module = original.__new__(original)
         module.__init__(*args, **kwargs)
         return module
@@ -68,6 +68,14 @@ class FSDPModule:
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile``, deciding at the first call how: compiled as the whole model (no
+        eager step runs around it), the module's own hooks are traced in the same frame as its
+        forward (dynamo's ``wrap_top_frame``), so the collectives of its parameters are in that one
+        graph too; a block compiled while the eager engine drives the step keeps its hooks outside
+        the graph (per-block compile). docs/compile.md."""
+        self._compiled_call_impl = _CompileOnFirstCall(self, args, kwargs)  # type: ignore[assignment]
 
     def _fsdp_states(self, recurse: bool) -> Iterable[FSDPState]:
         return fsdp_states([self]) if recurse else (self._get_fsdp_state(),)  # type: ignore[list-item]
@@ -404,6 +412,25 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not callable(method):
         raise ValueError(f"{type(module).__name__} has no method '{method_name}' to register.")
     module.__dict__[method_name] = _ForwardMethod(module, method, module._get_fsdp_state())
+
+
+class _CompileOnFirstCall:
+    """What ``FSDPModule.compile`` installs: compiles ``_call_impl`` at the first call, in the way
+    that call needs (`FSDPModule.compile`). An object, so a deepcopy rebinds it to the copy."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.compiled: Optional[Callable[..., Any]] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            import torch._dynamo
+
+            ctx = self.module._get_fsdp_state().ctx  # type: ignore[attr-defined]
+            eager_around = ctx is not None and ctx.root.phase is TrainingPhase.FORWARD
+            with torch._dynamo.config.patch(wrap_top_frame=not eager_around):
+                self.compiled = torch.compile(self.module._call_impl, *self.args, **self.kwargs)
+        return self.compiled(*args, **kwargs)
 
 
 class _ForwardMethod:

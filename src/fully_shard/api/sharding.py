@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch.distributed.device_mesh import DeviceMesh
 
 from .discovery import (
@@ -30,6 +31,7 @@ from ..features.traps import install_optimizer_check, register_ignored
 from ..features import finite
 from ..features import schedule
 from ..runtime.state import FSDPState, RootContext
+from ..runtime import traced
 
 from .module import _replicated_class, _sharded_class
 
@@ -117,12 +119,14 @@ def _apply(
     install_optimizer_check()
     register_ignored(ignored_params)
     group, extra = _groups_by_mesh(_manage(found.own, choices, mp_policy), info)
+    lent = [(owner, place) for owner, places in found.borrowed for place in places]
     borrowed = _borrow(found.borrowed)
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     state.setup_root = _setup_root
     for m in modules:
         _install(m, state, make_class)
+    traced.install([(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent, state)
 
 
 def _check(
@@ -222,19 +226,39 @@ def _param_meshes(info: Any, meshes: list[Optional[DeviceMesh]], reshard_after_f
 
 
 class _OutsideCompile:
-    """A module hook that runs outside ``torch.compile``'s graphs.
+    """A module hook: eager outside ``torch.compile``'s graphs, traced when the compiler traces
+    the whole model.
 
-    Compiling a module in place compiles ``Module._call_impl`` with its hooks; dynamo would trace
-    our hook frames and break the graph at every collective (failing ``fullgraph=True``). Called
-    through ``torch._dynamo.disable`` (a torch frame, skipped) the hook runs eagerly while
-    ``forward`` stays one graph. An object, not a closure, so a deepcopy rebinds it to the copy.
+    When dynamo inlines the hook into a traced frame (the whole model compiled: ``model.compile()``,
+    a compiled training step) and no eager step runs around it, the traced hook runs and the
+    collectives go into the graph (`traced`). As a frame of its own (dynamo runs the hooks of a
+    compiled module outside its forward's frame) the hook is never traced (``skip_code``): it runs
+    eagerly, either the eager hook (a block compiled while the eager engine drives the step) or
+    the traced hook's host work (``torch.compile(model)``). The eager hook runs through
+    ``torch._dynamo.disable`` there, so nothing of it is compiled. An object, not a closure, so a
+    deepcopy rebinds it to the copy.
     """
 
-    def __init__(self, hook: Callable[..., Any]) -> None:
+    def __init__(self, hook: Callable[..., Any], traced_hook: Callable[..., Any]) -> None:
         self.hook = hook
+        self.traced_hook = traced_hook
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         return self.hook(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and not _compile_active():
+            return self.hook(*args, **kwargs)  # plain eager
+        state = self.hook.__self__
+        if traced.traced_here(state):
+            return self.traced_hook(state, *args, **kwargs)
+        return self.run_eagerly(*args, **kwargs)
+
+
+def _compile_active() -> bool:
+    """A compiled call is running (this frame was left to run eagerly)."""
+    return get_eval_frame_callback() not in (None, False)
 
 
 class _Hook:
@@ -251,15 +275,19 @@ class _Hook:
 @functools.cache
 def _outside_compile_type() -> type:
     # Made at the first call, not at import: importing torch._dynamo costs ~1 s.
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(_OutsideCompile.__call__.__code__)  # traced when inlined, never as a frame of its own
     disabled = torch._dynamo.disable(_OutsideCompile.run, recursive=True)
-    return type("OutsideCompileHook", (_OutsideCompile,), {"__call__": disabled, "__module__": __name__})
+    return type("OutsideCompileHook", (_OutsideCompile,), {"run_eagerly": disabled, "__module__": __name__})
 
 
 def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], type]) -> None:
     module.__dict__["_fsdp_state"] = state
     hook = _outside_compile_type()
-    module.register_forward_pre_hook(hook(state.pre_forward), prepend=True, with_kwargs=True)
-    module.register_forward_hook(hook(state.post_forward))
+    pre = hook(state.pre_forward, traced.traced_pre_forward)
+    module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+    module.register_forward_hook(hook(state.post_forward, traced.traced_post_forward))
     # A state dict holds sharded DTensors only, also while the parameters are unsharded.
     module.register_state_dict_pre_hook(_Hook(state.show_sharded))
     module.register_state_dict_post_hook(_Hook(state.show_unsharded))

@@ -1,0 +1,264 @@
+"""The traced path: what ``torch.compile`` sees of a model sharded with ``fully_shard``.
+
+When dynamo traces a forward with no eager FSDP step around it (``torch.compile(model)``, the whole
+model or a training-step function: `traced_here`), the hooks run nothing eager. The pre-forward
+hook of a sharded module gathers each of its groups *in the graph* (`gather_group`): the group's
+local shards, cast to ``param_dtype`` and padded as the eager all-gather lays them out, go through
+one functional all-gather; the post-forward hook drops what it gathered. Each managed parameter,
+read as ``module.<name>``, is a property of the module's class (`traced_class`) that returns the
+gathered tensor while tracing and the registered parameter otherwise. The gather's backward is the
+eager reduction, op for op: the gradients cast to ``reduce_dtype`` and laid out by
+``torch._chunk_cat``, divided by the pre-factor, one functional reduce-scatter (sum), the HSDP
+all-reduce, the post-division; each rank's slice lands in its shard's ``.grad``, the DTensor the
+optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default here) wraps the
+gather in a selective activation-checkpoint region whose every op is recomputed: the backward
+gathers again, the gathered parameters are not saved between forward and backward.
+
+A block compiled on its own while the eager engine drives the step (per-block compile; a
+recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what they installed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from .lifecycle import IterationPhase, TrainingPhase
+
+_EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
+
+
+def traced_here(state: Any) -> bool:
+    """Whether a compiled call runs this module's forward with no eager step around it: no eager
+    root forward is running (per-block compile) and no eager backward (a recompute)."""
+    ctx = state.ctx
+    return ctx is None or not (ctx.root.phase is TrainingPhase.FORWARD or ctx.phase in _EAGER_PHASES)
+
+
+# -- the module side: hooks and parameter properties
+
+
+def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Refuse what the traced path lacks; cast the inputs as the eager hook does. The groups are
+    gathered where their parameters are first read (`traced_param`): in the frame of the forward,
+    also when dynamo runs a compiled module's own hooks as frames of their own."""
+    refuse_untraceable(state)
+    mp = state.mp_policy
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+    return args, kwargs
+
+
+def traced_post_forward(state: Any, module: nn.Module, args: tuple, output: Any) -> Any:
+    """Drop what this module's forward gathered; cast the output."""
+    state.__dict__["_traced"] = {}
+    dtype = state.mp_policy.output_dtype
+    return _cast_floats(output, dtype) if dtype is not None else output
+
+
+def traced_param(module: nn.Module, name: str) -> Any:
+    """``module.<name>`` of a managed parameter: while tracing, its group gathered in the graph
+    (once per forward of the module whose forward reads it), else the registered parameter."""
+    if torch.compiler.is_compiling():
+        owner = module.__dict__.get("_fsdp_traced_params", {}).get(name)
+        if owner is not None and traced_here(owner[1]):
+            fp, state = owner
+            gathered = state.__dict__.setdefault("_traced", {})
+            if id(fp) not in gathered:
+                group = fp.group
+                reshard = state.settings.reshard_after_forward is not False
+                for p, full in zip(group.params, gather_group(group, reshard)):
+                    gathered[id(p)] = full
+            return gathered[id(fp)]
+    return module._parameters[name]
+
+
+@functools.cache
+def traced_class(cls: type, names: tuple[str, ...]) -> type:
+    """``cls`` with a property per managed parameter name (`traced_param`)."""
+
+    def prop(name: str) -> property:
+        return property(lambda self: traced_param(self, name))
+
+    attrs = {name: prop(name) for name in names}
+    attrs.update({"__module__": cls.__module__, "_fsdp_traced_names": names})
+    return type(cls.__name__, (cls,), attrs)
+
+
+def install(places: list[tuple[Any, Any]], state: Any) -> None:
+    """Give every module holding a managed parameter the traced properties: ``places`` are
+    ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
+    by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
+    for fp, place in places:
+        if not fp.where.info.plain:  # plain parameters are refused while tracing (`refuse_untraceable`)
+            by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
+    for module, owned in by_module.values():
+        table = module.__dict__.setdefault("_fsdp_traced_params", {})
+        table.update(owned)
+        cls = type(module)
+        base = cls.__bases__[0] if "_fsdp_traced_names" in cls.__dict__ else cls
+        module.__class__ = traced_class(base, tuple(sorted(table)))
+
+
+def refuse_untraceable(state: Any) -> None:
+    """Raise, while tracing, for what the traced path does not do yet: each names the fix."""
+    s, name = state.settings, state.name
+    unsupported = [
+        (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
+        (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
+        (bool(s.codecs), "an all-gather codec (set_all_gather_codec)"),
+        (not s.requires_gradient_sync, "set_requires_gradient_sync(False)"),
+        (not s.requires_all_reduce, "set_requires_all_reduce(False)"),
+        (s.keep_low_precision_grads, "keep_low_precision_grads"),
+        (type(s.reshard_after_forward) is int, "reshard_after_forward=<int>"),
+    ]
+    for g in state.groups:
+        for fp in g.params:
+            where = fp.where
+            unsupported += [
+                (where.info.plain, "replicate(plain_params=True)"),
+                (where.offload, "CPUOffloadPolicy"),
+                (where.tp is not None, "a tensor-parallel (DTensor) parameter"),
+                (where.layout.dim != 0, "a shard dim other than 0 (shard_placement_fn)"),
+                (fp.uses_extension, "an all-gather extension (fsdp_pre_all_gather)"),
+            ]
+    for bad, what in unsupported:
+        if bad:
+            raise RuntimeError(
+                f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the traced "
+                f"path does not support {what} yet. Fix: compile each block on its own instead "
+                "(for block in model.layers: block.compile()), where the eager engine drives the "
+                "collectives, or drop that setting (docs/compile.md)."
+            )
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return torch.utils._pytree.tree_map(cast, tree)
+
+
+# -- the collectives
+
+
+def gather_group(group: Any, reshard: bool) -> list[torch.Tensor]:
+    """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
+    group's reduction. ``reshard``: recomputed in backward, not saved."""
+    params = group.params
+    plan = _Plan(params, group)
+    shards = [fp.sharded_param for fp in params]
+
+    def gather(*sharded: Any) -> Any:  # to_local's backward makes each local gradient a DTensor shard
+        return _GatherGroup.apply(plan, *(p.to_local() for p in sharded))
+
+    if not reshard:
+        return list(gather(*shards))
+    from torch.utils.checkpoint import checkpoint
+
+    return list(
+        checkpoint(
+            gather,
+            *shards,
+            use_reentrant=False,
+            context_fn=_recompute_everything,
+            preserve_rng_state=False,
+        )
+    )
+
+
+def _recompute_everything() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(
+        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE
+    )
+
+
+class _Plan:
+    """What one traced gather needs, read from the group's parameters and settings."""
+
+    def __init__(self, params: list[Any], group: Any) -> None:
+        info, s = group.info, group.settings
+        self.layouts = [fp.where.layout for fp in params]
+        self.param_dtypes = [fp.dtypes.param for fp in params]
+        self.reduce_dtype = params[0].dtypes.reduce
+        self.world = info.world_size
+        self.group = info.group
+        self.replicate_group = info.replicate_group if info.is_hsdp and info.replicate_size > 1 else None
+        factor = s.gradient_divide_factor if s.gradient_divide_factor is not None else info.data_parallel_size
+        from .collectives import split_divide_factor
+
+        self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
+        self.requires_grad = [fp.requires_grad for fp in params]
+
+
+class _GatherGroup(torch.autograd.Function):
+    """Forward: the eager all-gather's layout (each rank's padded shards, cast, end to end), one
+    functional all-gather, each parameter cut out. Backward: the eager reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.plan = plan
+        dtype = plan.param_dtypes[0]
+        flat = []
+        for local, layout in zip(shards, plan.layouts):
+            local = local.to(dtype)
+            missing = layout.rows - layout.local_rows
+            if missing:
+                local = torch.cat([local, local.new_zeros((missing, *layout.shape[1:]))])
+            flat.append(local.reshape(-1))
+        flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if plan.world > 1:
+            out = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group))
+        else:
+            out = flat_in
+        per_rank = out.view(plan.world, -1)
+        fulls, offset = [], 0
+        for layout in plan.layouts:
+            numel = layout.shard_numel
+            rows = per_rank[:, offset : offset + numel].reshape(plan.world * layout.rows, *layout.shape[1:])
+            fulls.append(rows[: layout.shape[0]].clone() if plan.world > 1 else rows[: layout.shape[0]])
+            offset += numel
+        return tuple(fulls)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        plan = ctx.plan
+        dtype = plan.reduce_dtype
+        inputs = []
+        for grad, layout in zip(grads, plan.layouts):
+            if grad is None:
+                grad = torch.zeros(layout.shape, dtype=dtype, device=_device_of(grads))
+            padded_rows = plan.world * layout.rows
+            if padded_rows != layout.shape[0]:
+                grad = torch.cat([grad, grad.new_zeros((padded_rows - layout.shape[0], *layout.shape[1:]))])
+            inputs.append(grad)
+        rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)
+        if plan.before != 1:
+            rs_input = rs_input / plan.before
+        if plan.world > 1:
+            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
+        else:
+            out = rs_input
+        if plan.replicate_group is not None:
+            out = funcol.wait_tensor(funcol.all_reduce(out, "sum", plan.replicate_group))
+        if plan.after != 1:
+            out = out / plan.after
+        result: list[Optional[torch.Tensor]] = [None]  # the plan
+        offset = 0
+        for grad, layout, trainable in zip(grads, plan.layouts, plan.requires_grad):
+            piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.shape[1:])
+            offset += layout.shard_numel
+            # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
+            # used-counts keep such a .grad as it was; so does None).
+            result.append(piece[: layout.local_rows] if trainable and grad is not None else None)
+        return tuple(result)
+
+
+def _device_of(grads: tuple[Optional[torch.Tensor], ...]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
