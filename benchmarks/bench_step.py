@@ -312,9 +312,14 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
     unseen by the dispatcher: its row reports the gradient bytes and 0 counted collectives."""
     if impl.name == "ddp":
         return sum(p.numel() * p.element_size() for p in impl.model.parameters() if p.requires_grad), 0
+    if "+" in impl.name:  # compiled: a dispatch mode would make dynamo skip the frames (-1: not counted)
+        return -1, -1
     with CollectiveBytes() as counter:
         impl.step(0, args)
     return counter.nbytes, counter.count
+
+
+first_step: dict[str, float] = {}  # seconds of each implementation's first step in a fresh process (compiling)
 
 
 def measure_memory(names: list[str], args: argparse.Namespace) -> tuple[dict, dict, dict]:
@@ -335,7 +340,10 @@ def measure_memory(names: list[str], args: argparse.Namespace) -> tuple[dict, di
             before_reserved = counter.reserved() if on_device else 0
             before_model = counter.live()
             impl = build(name, args)
+            tic = time.perf_counter()
             impl.step(0, args)  # warm: optimizer state exists, lazy init done
+            if repeat == 0:  # the first build of each: compiling, cold
+                first_step[name] = time.perf_counter() - tic
             impl.step(1, args)
             raw: list[int] | None = [] if on_device else None
             peaks[name] += step_peaks(impl, args, before_model, reserved=raw)
@@ -424,15 +432,9 @@ def main() -> None:
     memory, comm, reserved = measure_memory(names, args)
 
     impls = [build(name, args) for name in names]
-    first_step: dict[str, float] = {}  # seconds: compiling, for the compiled rows
     for impl in impls:
         for s in range(args.warmup):
-            synchronize(device)
-            tic = time.perf_counter()
             impl.step(s, args)
-            synchronize(device)
-            if s == 0:
-                first_step[impl.name] = time.perf_counter() - tic
     for r in range(args.rounds):
         order = impls[r % len(impls):] + impls[: r % len(impls)]
         for impl in order:
@@ -460,7 +462,7 @@ def main() -> None:
             mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
             table += (f"\nwhole model compiled (ours+model) / PyTorch per-block compiled (torch_fsdp2+blocks): step "
                       f"time {c / d:.2f}x, peak memory {mib['ours+model'] / mib['torch_fsdp2+blocks']:.2f}x\n"
-                      "first step (compiling), s: " + ", ".join(f"{n} {first_step[n]:.1f}" for n in names) + "\n")
+                      "first step of the first build (compiling, cold), s: " + ", ".join(f"{n} {first_step[n]:.1f}" for n in names) + "\n")
         emit(table, args.out)
         if args.json:
             with open(args.json, "w") as f:
@@ -551,7 +553,10 @@ def report(names: list[str], args: argparse.Namespace, device: torch.device, wor
         if on_device:
             res = reserved_mib[name]
             cells.append(f"{statistics.median(res):.1f} [{min(res):.1f}-{max(res):.1f}]")
-        cells += [str(comm[name][1]) if name != "ddp" else "(in C++)", f"{comm[name][0] / 2**20:.2f}"]
+        if comm[name][1] < 0:
+            cells += ["(not counted: compiled)", "-"]
+        else:
+            cells += [str(comm[name][1]) if name != "ddp" else "(in C++)", f"{comm[name][0] / 2**20:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
         if name != "ddp":
             rows[name] = {"step_ms": medians[name] * 1e3, "peak_mib": med, "collectives": comm[name][1]}

@@ -108,6 +108,16 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
     if form == "method":  # model.compile()
         compiled.compile(backend=backend, fullgraph=True)
         b, _ = _train(compiled, 3, rank, w)
+    elif form == "dispatch_mode":  # dynamo skips frames under a dispatch mode; the hooks, run eagerly
+        from torch.utils._python_dispatch import TorchDispatchMode  # by it, took the traced route
+
+        class PassThrough(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with PassThrough():
+            b, _ = _train(torch.compile(compiled, backend=backend), 3, rank, w,
+                          torch.optim.AdamW(compiled.parameters(), lr=1e-2))
     elif form == "wrap":  # torch.compile(model): dynamo runs the root's hooks as frames of their own
         b, _ = _train(torch.compile(compiled, backend=backend, fullgraph=True), 3, rank, w,
                       torch.optim.AdamW(compiled.parameters(), lr=1e-2))
@@ -283,3 +293,12 @@ def test_torch_compile_of_the_model_or_of_a_step_function(ranks, form):
     for r in ranks(2).run(_traced_vs_eager, "aot_eager", True, False, False, form):
         print(f"{form}: {r}")
         assert r["graphs"] == 1 and r["losses_equal"] and r["params_equal"], r
+
+
+def test_a_compiled_model_that_dynamo_runs_eagerly_still_trains_right(ranks):
+    """``torch.compile(model)`` under a dispatch mode: dynamo runs the forward eagerly, but the
+    root's hooks (frames dynamo left eager) took the traced route, so the forward gathers the same
+    way outside a graph (found by benchmarks/bench_step.py's collective counter)."""
+    for r in ranks(2).run(_traced_vs_eager, "aot_eager", True, False, False, "dispatch_mode"):
+        print(f"dispatch mode: {r}")
+        assert r["losses_equal"] and r["params_equal"], r

@@ -47,6 +47,8 @@ def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict)
     gathered where their parameters are first read (`traced_param`): in the frame of the forward,
     also when dynamo runs a compiled module's own hooks as frames of their own."""
     refuse_untraceable(state)
+    if not torch.compiler.is_compiling():  # dynamo left this frame eager: the forward may run eager too
+        _set_functional(state, True)
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -56,14 +58,26 @@ def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict)
 def traced_post_forward(state: Any, module: nn.Module, args: tuple, output: Any) -> Any:
     """Drop what this module's forward gathered; cast the output."""
     state.__dict__["_traced"] = {}
+    if not torch.compiler.is_compiling():
+        _set_functional(state, False)
     dtype = state.mp_policy.output_dtype
     return _cast_floats(output, dtype) if dtype is not None else output
 
 
+def _set_functional(state: Any, on: bool) -> None:
+    """Mark the modules of ``state``'s parameters: their forward gathers through `gather_group`
+    outside a graph too. A compiled call whose hooks dynamo ran eagerly took the traced route, but
+    dynamo may still run the forward eagerly (a fallback, ``set_stance("force_eager")``, a
+    dispatch mode): its parameters are sharded then, and must be gathered the same way."""
+    for module in state.__dict__.get("_traced_modules", ()):
+        module.__dict__["_fsdp_functional"] = on
+
+
 def traced_param(module: nn.Module, name: str) -> Any:
-    """``module.<name>`` of a managed parameter: while tracing, its group gathered in the graph
-    (once per forward of the module whose forward reads it), else the registered parameter."""
-    if torch.compiler.is_compiling():
+    """``module.<name>`` of a managed parameter: while tracing (or in a forward that took the traced
+    route but runs eagerly: `_set_functional`), its group gathered by `gather_group` (once per
+    forward of the module whose forward reads it); otherwise the registered parameter."""
+    if torch.compiler.is_compiling() or module.__dict__.get("_fsdp_functional"):
         owner = module.__dict__.get("_fsdp_traced_params", {}).get(name)
         if owner is not None and traced_here(owner[1]):
             fp, state = owner
@@ -96,7 +110,10 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     for fp, place in places:
         if not fp.where.info.plain:  # plain parameters are refused while tracing (`refuse_untraceable`)
             by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
+    modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
+        if not any(m is module for m in modules):
+            modules.append(module)
         table = module.__dict__.setdefault("_fsdp_traced_params", {})
         table.update(owned)
         cls = type(module)
