@@ -8,11 +8,11 @@ import os
 import tempfile
 
 import pytest
-import torch
 
 from _parity import TOL64, llama64, shard_llama
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world
+from test_traced import _train
 
 STEPS = 4
 GRAPHS = 1  # both blocks share one graph (their parameters are graph inputs); none added once warm
@@ -103,15 +103,7 @@ def _graphs_and_losses(impl: str, form: str, fullgraph: bool) -> tuple[int, list
             layer.compile(backend="aot_eager", fullgraph=fullgraph)
     else:
         model.compile(backend="aot_eager", fullgraph=fullgraph)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        x, y = synthetic_batch(step, 4, 16, 101)
-        loss = loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(global_mean(loss))
+    losses, _ = _train(model, 3, rank, w)
     return counters["stats"]["unique_graphs"], losses
 
 

@@ -264,7 +264,6 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
 
 
 def _refused() -> str:
-    from fully_shard import fully_shard
 
     _fresh_compiler()
     torch.manual_seed(0)
