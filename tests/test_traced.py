@@ -208,15 +208,21 @@ def test_hsdp_compiled_reduces_across_replicas(ranks):
 
 
 def _uneven_frozen_and_interleaved() -> dict:
-    """Dims dividing by neither 2 nor 4 (padding), a frozen layer, eager evaluation between
-    compiled steps, and a state dict of the compiled model loaded into a fresh eager one."""
+    """Dims dividing by neither 2 nor 4 (padding), a frozen layer, a parameter the forward never
+    uses, eager evaluation between compiled steps, and a state dict of the compiled model loaded
+    into a fresh eager one."""
     from fully_shard import fully_shard
 
     _fresh_compiler()
     rank, w = world()
+    def make():
+        m = make_mlp()
+        m[1].register_parameter("unused", torch.nn.Parameter(torch.ones(5, 3, dtype=torch.float64)))
+        return m
+
     models = []
     for _ in range(2):
-        m = make_mlp()
+        m = make()
         m[1][0].weight.requires_grad_(False)
         for block in m:
             fully_shard(block, mesh=cpu_mesh())
@@ -235,7 +241,7 @@ def _uneven_frozen_and_interleaved() -> dict:
             opt.zero_grad()
             with torch.no_grad():  # eager evaluation of the model in between
                 evals[i].append(models[i](x).sum().item())
-    reloaded = make_mlp()
+    reloaded = make()
     for block in reloaded:
         fully_shard(block, mesh=cpu_mesh())
     fully_shard(reloaded, mesh=cpu_mesh())
@@ -249,6 +255,7 @@ def _uneven_frozen_and_interleaved() -> dict:
         "reloaded_equal": all(torch.equal(ec[k], er[k]) for k in ec),
         "frozen_unchanged": torch.equal(ec["1.0.weight"], frozen_before),
         "frozen_grad_none": compiled[1][0].weight.grad is None,
+        "unused_grad_none": compiled[1].unused.grad is None and eager[1].unused.grad is None,
     }
 
 
@@ -257,6 +264,7 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
     for r in ranks(world_size).run(_uneven_frozen_and_interleaved):
         print(f"world {world_size}: {r}")
         assert r["frozen_unchanged"] and r["frozen_grad_none"] and r["reloaded_equal"], r
+        assert r["unused_grad_none"], r  # as eager: no rank used it, so no gradient
         if world_size <= 2:
             assert r["evals_equal"] and r["params_equal"], r
         else:

@@ -1,16 +1,16 @@
 """The traced path: what ``torch.compile`` sees of a model sharded with ``fully_shard``.
 
 When dynamo traces a forward with no eager FSDP step around it (``torch.compile(model)``, the whole
-model or a training-step function: `traced_here`), the hooks run nothing eager. The pre-forward
-hook of a sharded module gathers each of its groups *in the graph* (`gather_group`): the group's
-local shards, cast to ``param_dtype`` and padded as the eager all-gather lays them out, go through
-one functional all-gather; the post-forward hook drops what it gathered. Each managed parameter,
-read as ``module.<name>``, is a property of the module's class (`traced_class`) that returns the
-gathered tensor while tracing and the registered parameter otherwise. The gather's backward is the
+model or a training-step function: `traced_here`), the hooks run nothing eager. Each managed
+parameter, read as ``module.<name>``, is a property of the module's class (`traced_class`): while
+tracing, the first read in a module's forward gathers the parameter's group *in the graph*
+(`gather_group`: the group's local shards, cast to ``param_dtype`` and padded as the eager
+all-gather lays them out, through one functional all-gather), the module's post-forward hook drops
+what it gathered; otherwise the property is the registered parameter. The gather's backward is the
 eager reduction, op for op: the gradients cast to ``reduce_dtype`` and laid out by
 ``torch._chunk_cat``, divided by the pre-factor, one functional reduce-scatter (sum), the HSDP
 all-reduce, the post-division; each rank's slice lands in its shard's ``.grad``, the DTensor the
-optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default here) wraps the
+optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default ``None`` here) wraps the
 gather in a selective activation-checkpoint region whose every op is recomputed: the backward
 gathers again, the gathered parameters are not saved between forward and backward.
 
@@ -28,6 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from .lifecycle import IterationPhase, TrainingPhase
+from .state import _cast_floats
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
 
@@ -153,13 +154,6 @@ def refuse_untraceable(state: Any) -> None:
             )
 
 
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(t: Any) -> Any:
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    return torch.utils._pytree.tree_map(cast, tree)
-
-
 # -- the collectives
 
 
@@ -202,7 +196,7 @@ class _Plan:
     def __init__(self, params: list[Any], group: Any) -> None:
         info, s = group.info, group.settings
         self.layouts = [fp.where.layout for fp in params]
-        self.param_dtypes = [fp.dtypes.param for fp in params]
+        self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
         self.reduce_dtype = params[0].dtypes.reduce
         self.world = info.world_size
         self.group = info.group
@@ -221,10 +215,10 @@ class _GatherGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.plan = plan
-        dtype = plan.param_dtypes[0]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         flat = []
         for local, layout in zip(shards, plan.layouts):
-            local = local.to(dtype)
+            local = local.to(plan.param_dtype)
             missing = layout.rows - layout.local_rows
             if missing:
                 local = torch.cat([local, local.new_zeros((missing, *layout.shape[1:]))])
@@ -247,14 +241,12 @@ class _GatherGroup(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         plan = ctx.plan
         dtype = plan.reduce_dtype
-        inputs = []
-        for grad, layout in zip(grads, plan.layouts):
-            if grad is None:
-                grad = torch.zeros(layout.shape, dtype=dtype, device=_device_of(grads))
-            padded_rows = plan.world * layout.rows
-            if padded_rows != layout.shape[0]:
-                grad = torch.cat([grad, grad.new_zeros((padded_rows - layout.shape[0], *layout.shape[1:]))])
-            inputs.append(grad)
+        device = next(g.device for g in grads if g is not None)
+        inputs = [
+            g if g is not None else torch.zeros(layout.shape, dtype=dtype, device=device)
+            for g, layout in zip(grads, plan.layouts)
+        ]
+        # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
         rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)
         if plan.before != 1:
             rs_input = rs_input / plan.before
@@ -275,7 +267,3 @@ class _GatherGroup(torch.autograd.Function):
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece[: layout.local_rows] if trainable and grad is not None else None)
         return tuple(result)
-
-
-def _device_of(grads: tuple[Optional[torch.Tensor], ...]) -> torch.device:
-    return next(g.device for g in grads if g is not None)
