@@ -68,9 +68,12 @@ def final_weights(out: str, group: int, steps: int) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=False)["model"]
 
 
-def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, step_seconds: float = 0.1) -> dict:
+def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, step_seconds: float = 0.1,
+          head_start: float = 0.0) -> dict:
     """``away``: seconds group 1 stays dead before the drill relaunches it (a machine lost and
-    replaced); None: its own ``torchrun --max-restarts 1`` relaunches it at once (a process crash)."""
+    replaced); None: its own ``torchrun --max-restarts 1`` relaunches it at once (a process crash).
+    ``head_start``: group 1 is launched this many seconds before group 0 (the job's first step
+    still waits for both groups: ``--ft-start-groups``)."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
@@ -81,8 +84,9 @@ def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, st
     groups: list[subprocess.Popen] = []
     try:
         kill = ["--kill-at-step", str(kill_at), "--kill-rank", "1"]
-        groups += [launch(0, 29640, env, out, common, "group0.log"),
-                   launch(1, 29641, env, out, [*common, *kill], "group1.log", restarts=0 if away is not None else 1)]
+        groups.append(launch(1, 29641, env, out, [*common, *kill], "group1.log", restarts=0 if away is not None else 1))
+        time.sleep(head_start)
+        groups.insert(0, launch(0, 29640, env, out, common, "group0.log"))
         if away is not None:
             groups[1].wait(timeout=600)  # the group is gone: its torchrun stopped the surviving rank
             time.sleep(away)
@@ -99,7 +103,7 @@ def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, st
     back = re.search(r"step (\d+): 2 replica group\(s\) in the quorum \(was \S+\) at t=([0-9.]+)", after)
     back = (int(back[1]), float(back[2])) if back else None
     history = who_trained(logs)
-    alone = [s for s, g in history.items() if g == [0] and s >= kill_at]  # (at the start one may wait for the other)
+    alone = [s for s, g in history.items() if g == [0] and s >= kill_at]
     solo = re.search(r"step \d+: 1 replica group\(s\) in the quorum \(was 2\) at t=([0-9.]+)", logs["group0.log"])
     a, b = final_weights(out, 0, steps), final_weights(out, 1, steps)
     return {"exit": [groups[0].returncode, groups[-1].returncode], "killed": killed, "back": back, "alone": alone,

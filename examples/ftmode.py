@@ -14,6 +14,7 @@ Environment (as torchft's own examples): ``TORCHFT_LIGHTHOUSE`` (the lighthouse'
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -44,7 +45,8 @@ class ReplicaGroups:
     """torchft's Manager wired to a model sharded with ``fully_shard`` inside this group."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, rank: int,
-                 world: int, timeout_s: float = 10.0) -> None:
+                 world: int, timeout_s: float = 10.0, start_groups: int | None = None,
+                 start_timeout_s: float = 600.0) -> None:
         try:
             from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
             from torchft.optim import OptimizerWrapper
@@ -56,6 +58,8 @@ class ReplicaGroups:
                              "examples/ft_drill.py) and give every group's torchrun TORCHFT_LIGHTHOUSE=http://host:port, "
                              "REPLICA_GROUP_ID=<0..N-1>, NUM_REPLICA_GROUPS=<N> (docs/fault_tolerance.md)")
         self.group, self.groups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+        self.start_groups = self.groups if start_groups is None else start_groups
+        self.start_timeout_s = start_timeout_s
         self.inner = optimizer
         # The sharded parameters, taken once between steps. torchft calls state_dict() from its own
         # thread (to serve a group that rejoins) while this one may be in a forward, whose module
@@ -89,8 +93,22 @@ class ReplicaGroups:
         self.inner.load_state_dict(sd["optim"])
 
     def begin_step(self) -> int:
-        """Join the quorum (healing from a live group if this one is behind); the step to compute."""
+        """Join the quorum (healing from a live group if this one is behind); the step to compute.
+
+        Before the job's first step, the quorum is asked again until ``start_groups`` groups are in
+        it: otherwise the group whose torchrun came up first trains alone, and one that comes up a
+        moment later trains the same first steps on its own rather than joining (two histories, of
+        which the later group's wins). A group that (re)joins a running job finds it past step 0
+        and does not wait. Every rank of a group gets the same quorum, so all loop alike."""
         self.optimizer.zero_grad()
+        deadline = time.monotonic() + self.start_timeout_s
+        while self.manager.current_step() == 0 and self.manager.num_participants() < self.start_groups:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"--ft: only {self.manager.num_participants()} of the {self.start_groups} replica "
+                                 f"groups joined within {self.start_timeout_s:g} s of this one. Fix: start the "
+                                 "others (same TORCHFT_LIGHTHOUSE), or --ft-start-groups 1 to begin with fewer")
+            time.sleep(0.1)
+            self.optimizer.zero_grad()  # a new quorum request
         return self.manager.current_step()
 
     def end_step(self, step: int) -> bool:

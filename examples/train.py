@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft", action="store_true",
                    help="fault-tolerant replica groups with torchft: this torchrun is one group (env TORCHFT_LIGHTHOUSE, "
                         "REPLICA_GROUP_ID, NUM_REPLICA_GROUPS; docs/fault_tolerance.md)")
+    p.add_argument("--ft-start-groups", type=int, default=None,
+                   help="--ft: a fresh job's first step waits until this many replica groups are in the quorum "
+                        "(default: all NUM_REPLICA_GROUPS); groups that join later copy the state")
     p.add_argument("--min-step-seconds", type=float, default=0.0,
                    help="fault drill: each step lasts at least this long (so that a drill's kill lands mid-run)")
     args = p.parse_args(argv)
@@ -342,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     val = textdata.Batches(corpus.val, args.seq_len, args.batch, args.seed)
     model, optimizer = build(args, device)
     params = sum(p.numel() for p in model.parameters())
-    ft = ftmode.ReplicaGroups(model, optimizer, device, rank, world) if args.ft else None
+    ft = ftmode.ReplicaGroups(model, optimizer, device, rank, world, start_groups=args.ft_start_groups) if args.ft else None
     slot, slots = (ft.group * world + rank, ft.groups * world) if ft else (rank, world)  # this rank's part of a batch
     start, curve, evals, stop = 0, [], [], StopRequest()
     fault = faults.Faults(args.kill_at_step, args.kill_in_save, args.kill_rank, rank)

@@ -55,7 +55,9 @@ def test_a_lost_replica_group_rejoins_and_training_equals_the_float64_reference(
     """Issue #26 item 2: torchft replica groups (2 x 2 ranks). Rank 1 of group 1 is SIGKILLed in a
     backward, the group is relaunched 2 s later; group 0 trains alone meanwhile, group 1 copies its
     state and rejoins. Both groups end identical, and equal to one float64 process that trained
-    each step on the batches of the groups that took part in it (group 0's log says which)."""
+    each step on the batches of the groups that took part in it (group 0's log says which).
+    Group 1 is launched 3 s before group 0: the first step still waits for both (it once trained
+    alone until killed, then group 0 trained the same steps again on its own)."""
     pytest.importorskip("torchft")
     import ft_drill
     import textdata
@@ -63,12 +65,13 @@ def test_a_lost_replica_group_rejoins_and_training_equals_the_float64_reference(
     from llama_model import Llama, LlamaConfig, loss_fn
 
     steps = 100
-    r = ft_drill.drill(steps, kill_at=10, fp64=True, out=str(tmp_path), away=2.0)
+    r = ft_drill.drill(steps, kill_at=10, fp64=True, out=str(tmp_path), away=2.0, head_start=3.0)
     assert r["exit"] == [0, 0], {k: v[-3000:] for k, v in r["logs"].items()}
     assert r["identical"]
     assert r["back"] is not None, "group 1 never came back before group 0 finished"
     history = r["history"]  # step -> the groups whose batches it was computed on
     assert list(history) == list(range(1, steps + 1))  # every step trained once
+    assert all(history[s] == [0, 1] for s in range(1, 10))  # together from the first step
     back = r["back"][0]
     assert history[10] == [0] and history[back] == [0, 1] and history[steps] == [0, 1]
     assert all(history[s] == [0] for s in range(10, back))  # group 0 alone while group 1 was away
