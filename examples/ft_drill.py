@@ -114,7 +114,7 @@ def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, st
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=160)
     p.add_argument("--kill-at-step", type=int, default=20)
     p.add_argument("--fp64", action="store_true")
     p.add_argument("--away", type=float, default=5.0,
