@@ -271,13 +271,145 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
             assert r["param_diff"] <= TOL64, r
 
 
+def _accumulation(mode: str, bf16: bool = False) -> dict:
+    """2 steps of 3 micro-batches, the first two without gradient sync: eager, against ``mode``
+    ("compiled": all compiled; "then_eager": the no-sync ones compiled, the synced one eager;
+    "after_eager": the reverse)."""
+    from torch._dynamo.utils import counters
+
+    from fully_shard import MixedPrecisionPolicy
+
+    _fresh_compiler()
+    rank, w = world()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    torch.manual_seed(0)
+    eager = llama64(LlamaConfig(n_layers=2))
+    if bf16:
+        eager = eager.float()
+    compiled = copy.deepcopy(eager)
+    _shard(eager, True, mp)
+    _shard(compiled, True, mp)
+    graphs: dict = {}
+    fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
+    losses = [[], []]
+    for i, model in enumerate((eager, compiled)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            for micro in range(3):
+                sync = micro == 2
+                model.set_requires_gradient_sync(sync)
+                use_compiled = i == 1 and (mode == "compiled" or (mode == "then_eager") != sync)
+                x, y = synthetic_batch(3 * step + micro, 4, 16, 101)
+                loss = loss_fn((fn if use_compiled else model)(x.chunk(w)[rank]), y.chunk(w)[rank])
+                loss.backward()
+                losses[i].append(global_mean(loss))
+            opt.step()
+            opt.zero_grad()
+    ea, eb = _full(eager), _full(compiled)
+    no_sync_bw = [g for g in graphs.get("bw", []) if _count(g, RS) == 0]
+    return {
+        "losses_equal": losses[0] == losses[1],
+        "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
+        "param_diff": max((ea[k].double() - eb[k].double()).abs().max().item() for k in ea),
+        "graphs": counters["stats"]["unique_graphs"],
+        "bw_graphs": len(graphs.get("bw", [])),
+        "no_sync_bw_graphs": len(no_sync_bw),
+        "no_sync_bw_ag": [_count(g, AG) for g in no_sync_bw],
+        "unsharded_grads_left": sum(fp.unsharded_param.grad is not None for g in compiled.layers[0]._get_fsdp_state().own
+                                    for fp in g.params),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
+    """set_requires_gradient_sync(False) compiled: a second graph whose backward reduces nothing
+    (the gradients accumulate on the unsharded parameters, as eager); the synced micro-batch adds
+    them and reduces once. Equal to eager (to the bit at world 1 and 2); at world 2 also mixed with
+    eager micro-batches in either order, and with bf16 parameters."""
+    modes = [("compiled", False)] + ([("then_eager", False), ("after_eager", False), ("compiled", True)]
+                                     if world_size == 2 else [])
+    for mode, bf16 in modes:
+        for r in ranks(world_size).run(_accumulation, mode, bf16):
+            print(f"world {world_size} {mode} bf16={bf16}: {r}")
+            assert r["unsharded_grads_left"] == 0, r
+            if world_size <= 2:
+                assert r["losses_equal"] and r["params_equal"], r
+            else:
+                assert r["param_diff"] <= TOL64, r
+            if mode == "compiled":  # one graph with sync, one without: no recompiles across steps
+                assert (r["graphs"], r["bw_graphs"]) == (2, 2), r
+            if mode == "compiled" and world_size > 1:  # (world 1 has no collectives to count)
+                assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [3], r  # regathers, reduces nothing
+
+
+def _inductor_collectives(collectives: str) -> dict:
+    """The whole model compiled by Inductor with ``FSDPModule.compile(collectives=...)``: the
+    generated code's all-gathers and reduce-scatters, and training against eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    eager = llama64(LlamaConfig(n_layers=2))
+    compiled = copy.deepcopy(eager)
+    _shard(eager, True)
+    _shard(compiled, True)
+    compiled.compile(fullgraph=True, collectives=collectives)
+    a, _ = _train(eager, 2, rank, w)
+    b, codes = run_and_get_code(lambda: _train(compiled, 2, rank, w)[0])
+    ea, eb = _full(eager), _full(compiled)
+    code = "\n".join(codes)
+    calls = "torch.ops._c10d_functional.{}.default("  # (a bucket gathers into its buffer: the _out op)
+    return {
+        "all_gathers": sum(code.count(calls.format(op)) for op in ("all_gather_into_tensor", "all_gather_into_tensor_out")),
+        "reduce_scatters": code.count(calls.format("reduce_scatter_tensor")),
+        "param_diff": max((ea[k] - eb[k]).abs().max().item() for k in ea),
+        "loss_diff": max(abs(x - y) for x, y in zip(a, b)),
+    }
+
+
+def test_inductor_bucketing_of_the_graph_collectives(ranks):
+    """``collectives="bucket_all"`` (Inductor's FX bucketing, uncapped): the 3 all-gathers of the
+    forward graph (and the 3 the backward graph regathers) become one per graph, the 3
+    reduce-scatters one. ``"bucket"`` caps a bucket at twice the largest group's bytes: 2 per
+    graph. Training still equals eager within float64 rounding."""
+    plain, capped, uncapped = (ranks(2).run(_inductor_collectives, c)[0] for c in ("as_traced", "bucket", "bucket_all"))
+    print(f"as traced: {plain}\nbucket: {capped}\nbucket_all: {uncapped}")
+    assert (plain["all_gathers"], plain["reduce_scatters"]) == (6, 3), plain
+    assert (capped["all_gathers"], capped["reduce_scatters"]) == (4, 2), capped
+    assert (uncapped["all_gathers"], uncapped["reduce_scatters"]) == (2, 1), uncapped
+    for r in (plain, capped, uncapped):
+        assert r["param_diff"] <= TOL64 and r["loss_diff"] <= TOL64, r
+
+
+def _bad_collectives() -> list[str]:
+    model = _shard(llama64(LlamaConfig(n_layers=1)), True)
+    out = []
+    for kwargs in ({"collectives": "nope"}, {"collectives": "bucket", "backend": "aot_eager"},
+                   {"collectives": "overlap"}):
+        try:
+            model.compile(fullgraph=True, **kwargs)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_bad_collectives_setting_is_refused_with_the_fix(ranks):
+    (unknown, not_inductor, overlap_on_cpu), = ranks(1).run(_bad_collectives)
+    assert "collectives='nope' is not one of ['as_traced', 'bucket', 'bucket_all', 'overlap', 'reorder']" in unknown, unknown
+    assert "Fix: pass one of those" in unknown, unknown
+    assert "sets Inductor options, but backend='aot_eager'" in not_inductor and "Fix:" in not_inductor, not_inductor
+    assert "whose cost model reads a GPU's bandwidth" in overlap_on_cpu and "Fix: on CPU use" in overlap_on_cpu
+
+
 def _refused() -> str:
 
     _fresh_compiler()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1))
     _shard(model, True)
-    model.set_requires_gradient_sync(False)
+    model.set_requires_all_reduce(False)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     x, _ = synthetic_batch(0, 2, 8, 101)
     try:
@@ -289,7 +421,7 @@ def _refused() -> str:
 
 def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks):
     for message in ranks(2).run(_refused):
-        assert "does not support set_requires_gradient_sync(False) yet" in message, message
+        assert "does not support set_requires_all_reduce(False) yet" in message, message
         assert "block.compile()" in message, message
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
+from ..runtime import traced
 from ..runtime.lifecycle import Event, TrainingPhase
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.registry import class_name
@@ -69,12 +70,20 @@ class FSDPModule:
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
+    def compile(self, *args: Any, collectives: str = traced.DEFAULT_COLLECTIVES, **kwargs: Any) -> None:
         """``nn.Module.compile``, deciding at the first call how: compiled as the whole model (no
         eager step runs around it), the module's own hooks are traced in the same frame as its
         forward (dynamo's ``wrap_top_frame``), so the collectives of its parameters are in that one
         graph too; a block compiled while the eager engine drives the step keeps its hooks outside
-        the graph (per-block compile). docs/compile.md."""
+        the graph (per-block compile). ``collectives``: what Inductor may do with the graph's
+        collectives (``"as_traced"``, ``"bucket"``, ``"bucket_all"``, ``"overlap"``, ``"reorder"``:
+        a set of ``torch._inductor.config`` options each, added to ``options``). docs/compile.md."""
+        groups = [g for state in self._fsdp_states(True) for g in state.own]
+        device_type = self._get_fsdp_state().info.device.type
+        backend = kwargs.get("backend", "inductor")
+        options = traced.compile_options(collectives, backend, kwargs.get("options"), groups, device_type)
+        if options is not None:
+            kwargs["options"] = options
         self._compiled_call_impl = _CompileOnFirstCall(self, args, kwargs)  # type: ignore[assignment]
 
     def _fsdp_states(self, recurse: bool) -> Iterable[FSDPState]:
@@ -118,6 +127,9 @@ class FSDPModule:
         ``True`` reduce-scatters them once."""
         value = _check_bool("requires_gradient_sync", requires_gradient_sync)
         self._set_fsdp_settings(recurse, requires_gradient_sync=value)
+        if not value:  # what a compiled micro-batch accumulates into (runtime/traced.py)
+            for state in self._fsdp_states(recurse):
+                traced.prepare_no_sync(state)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """``False``: keep the parameters unsharded after backward, so the next forward needs no

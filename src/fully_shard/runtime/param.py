@@ -416,6 +416,19 @@ class FSDPParam:
         register_unsharded(self, self.unsharded_param)
         return self.unsharded_param
 
+    def ensure_unsharded_param(self) -> nn.Parameter:
+        """The unsharded parameter, made now (over its gather buffer, storage freed) where no
+        unshard made it yet: what gradients without sync accumulate on, compiled too."""
+        if self.unsharded_param is None:
+            if self.padded_unsharded.numel() == 0:
+                numel = self.where.info.world_size * self.where.layout.shard_numel
+                self.padded_unsharded = torch.empty(
+                    numel, dtype=self.dtypes.param, device=self.where.info.device
+                )
+                self.padded_unsharded.untyped_storage().resize_(0)
+            self._make_unsharded_param()
+        return self.unsharded_param
+
     # The group's `sharded_state` records which form is in use; it calls these two on its transitions.
 
     @property

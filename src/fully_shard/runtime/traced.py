@@ -14,6 +14,13 @@ optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default
 gather in a selective activation-checkpoint region whose every op is recomputed: the backward
 gathers again, the gathered parameters are not saved between forward and backward.
 
+Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
+guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
+unreduced, to the parameter's unsharded ``nn.Parameter`` (an extra input of the gather; its
+storage stays freed), whose ``.grad`` autograd sums. The next synced forward takes those ``.grad``
+(and clears them) as inputs, and its backward adds them before the reduction, as eager's
+accumulated unsharded gradient. Eager and compiled micro-batches mix in either order.
+
 A block compiled on its own while the eager engine drives the step (per-block compile; a
 recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what they installed.
 """
@@ -129,7 +136,6 @@ def refuse_untraceable(state: Any) -> None:
         (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
         (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
         (bool(s.codecs), "an all-gather codec (set_all_gather_codec)"),
-        (not s.requires_gradient_sync, "set_requires_gradient_sync(False)"),
         (not s.requires_all_reduce, "set_requires_all_reduce(False)"),
         (s.keep_low_precision_grads, "keep_low_precision_grads"),
         (type(s.reshard_after_forward) is int, "reshard_after_forward=<int>"),
@@ -154,32 +160,139 @@ def refuse_untraceable(state: Any) -> None:
             )
 
 
+# -- what Inductor may do with the collectives of a whole-model graph (FSDPModule.compile)
+
+# Each a set of torch._inductor.config options (docs/compile.md has the measurements).
+COLLECTIVES = {
+    "as_traced": {},  # one all-gather / reduce-scatter per group where the forward reads it
+    # Inductor's FX bucketing: adjacent collectives merged, each bucket capped (`_bucket_cap_mb`)
+    "bucket": {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"},
+    "bucket_all": {"bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"},  # no cap
+    # Inductor's overlap scheduler (and its bucketing); its cost model needs a GPU
+    "overlap": {
+        "aten_distributed_optimizations.enable_overlap_scheduling": True,
+        "aten_distributed_optimizations.collective_bucketing": True,
+    },
+    "reorder": {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": [
+            "reorder_communication_preserving_peak_memory",
+            "sink_waits_iterative",
+            "reorder_communication_preserving_peak_memory",
+        ],
+    },
+}
+DEFAULT_COLLECTIVES = "as_traced"
+
+
+def _bucket_cap_mb(mb: float, bucket_id: int) -> float:
+    return mb
+
+
+def compile_options(
+    collectives: str, backend: Any, options: Optional[dict], groups: list[Any], device_type: str
+) -> Optional[dict]:
+    """``options`` for ``torch.compile`` with ``collectives``' Inductor settings added (the user's own
+    win); only Inductor takes options, so another backend gets none added. ``"bucket"`` caps a
+    bucket at twice the largest group's unsharded bytes: about what eager holds (a block and the
+    next one prefetched), so bucketing does not gather the whole model at once."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(
+            f"FSDPModule.compile: collectives={collectives!r} is not one of {sorted(COLLECTIVES)}. "
+            f"Fix: pass one of those (default {DEFAULT_COLLECTIVES!r}; docs/compile.md says what each does)."
+        )
+    if backend != "inductor" and collectives != DEFAULT_COLLECTIVES:
+        raise ValueError(
+            f"FSDPModule.compile: collectives={collectives!r} sets Inductor options, but "
+            f"backend={backend!r}. Fix: use the default backend (inductor), or leave collectives at "
+            "its default."
+        )
+    if collectives == "overlap" and device_type == "cpu":
+        raise ValueError(
+            "FSDPModule.compile: collectives='overlap' runs Inductor's overlap scheduler, whose cost "
+            "model reads a GPU's bandwidth (it fails on CPU for want of triton). Fix: on CPU use "
+            "'bucket' or 'reorder' (docs/compile.md)."
+        )
+    chosen = dict(COLLECTIVES[collectives])
+    if collectives == "bucket":
+        mb = 2 * max((g.unsharded_bytes() for g in groups), default=0) / 2**20
+        cap = functools.partial(_bucket_cap_mb, mb)
+        chosen["bucket_all_gathers_fx_bucket_size_determinator"] = cap
+        chosen["bucket_reduce_scatters_fx_bucket_size_determinator"] = cap
+    if not chosen:
+        return options
+    return {**chosen, **(options or {})}
+
+
 # -- the collectives
 
 
 def gather_group(group: Any, reshard: bool) -> list[torch.Tensor]:
     """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
-    group's reduction. ``reshard``: recomputed in backward, not saved."""
+    group's reduction (or, without gradient sync, the accumulation on the unsharded parameters).
+    ``reshard``: recomputed in backward, not saved."""
     params = group.params
     plan = _Plan(params, group)
     shards = [fp.sharded_param for fp in params]
+    accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
+    # A synced backward adds what micro-batches without sync accumulated: taken here, once per
+    # forward (outside the recomputed region), as eager's post-backward takes it.
+    pending = [_take_accumulated(fp) if plan.sync and torch.is_grad_enabled() else None for fp in params]
+    n = len(params)
 
-    def gather(*sharded: Any) -> Any:  # to_local's backward makes each local gradient a DTensor shard
-        return _GatherGroup.apply(plan, *(p.to_local() for p in sharded))
+    def gather(*inputs: Any) -> Any:  # to_local's backward makes each local gradient a DTensor shard
+        return _GatherGroup.apply(plan, *(p.to_local() for p in inputs[:n]), *inputs[n:])
 
     if not reshard:
-        return list(gather(*shards))
+        return list(gather(*shards, *accumulators, *pending))
     from torch.utils.checkpoint import checkpoint
 
     return list(
         checkpoint(
             gather,
             *shards,
+            *accumulators,
+            *pending,
             use_reentrant=False,
             context_fn=_recompute_everything,
             preserve_rng_state=False,
         )
     )
+
+
+def _accumulator(fp: Any) -> torch.nn.Parameter:
+    """The unsharded parameter whose ``.grad`` sums a parameter's gradients without sync (made,
+    storage freed, by ``set_requires_gradient_sync(False)``: a graph cannot make one)."""
+    unsharded = fp.unsharded_param
+    if unsharded is None or unsharded.dtype != fp.dtypes.param:
+        raise RuntimeError(
+            f"fully_shard: {fp.path} has no unsharded parameter to accumulate gradients without sync "
+            "under torch.compile (its dtype changed after set_requires_gradient_sync(False)). Fix: call "
+            "module.set_requires_gradient_sync(False) again after changing the module's dtype."
+        )
+    return unsharded
+
+
+def _take_accumulated(fp: Any) -> Optional[torch.Tensor]:
+    unsharded = fp.unsharded_param
+    if unsharded is None or unsharded.grad is None:
+        return None
+    grad = unsharded.grad
+    unsharded.grad = None
+    return grad
+
+
+def prepare_no_sync(state: Any) -> None:
+    """Before a compiled micro-batch without gradient sync: every trainable parameter of ``state``
+    has its unsharded ``nn.Parameter`` (a view of the freed gather buffer: no memory)."""
+    for group in state.own:
+        for fp in group.params:
+            where = fp.where
+            traceable = not (
+                fp.uses_extension or where.tp or where.offload or where.info.plain or where.layout.dim
+            )
+            if fp.requires_grad and traceable:
+                fp.ensure_unsharded_param()
 
 
 def _recompute_everything() -> Any:
@@ -206,6 +319,7 @@ class _Plan:
 
         self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
         self.requires_grad = [fp.requires_grad for fp in params]
+        self.sync = s.requires_gradient_sync
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -213,8 +327,14 @@ class _GatherGroup(torch.autograd.Function):
     functional all-gather, each parameter cut out. Backward: the eager reduction."""
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, plan: _Plan, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        # inputs: the local shards, then per parameter its accumulator (without sync) and the
+        # gradient accumulated without sync to add in backward (each None where there is none)
+        n = len(plan.layouts)
+        shards, pending = inputs[:n], inputs[2 * n :]
         ctx.plan = plan
+        ctx.pending = [p is not None for p in pending]
+        ctx.save_for_backward(*(p for p in pending if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         flat = []
         for local, layout in zip(shards, plan.layouts):
@@ -240,6 +360,17 @@ class _GatherGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         plan = ctx.plan
+        n = len(plan.layouts)
+        if not plan.sync:  # to the unsharded parameters' .grad, unreduced (autograd sums them)
+            kept = [g if trainable else None for g, trainable in zip(grads, plan.requires_grad)]
+            return (None, *([None] * n), *kept, *([None] * n))
+        saved = iter(ctx.saved_tensors)
+        grads = tuple(
+            (next(saved) + g if g is not None else next(saved)) if has else g
+            for g, has in zip(grads, ctx.pending)
+        )
+        if all(g is None for g in grads):
+            return (None,) * (1 + 3 * n)
         dtype = plan.reduce_dtype
         device = next(g.device for g in grads if g is not None)
         inputs = [
@@ -266,4 +397,4 @@ class _GatherGroup(torch.autograd.Function):
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece[: layout.local_rows] if trainable and grad is not None else None)
-        return tuple(result)
+        return (*result, *([None] * (2 * n)))
