@@ -70,21 +70,19 @@ class FSDPModule:
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]  # type: ignore[no-any-return]
 
-    def compile(self, *args: Any, collectives: str = traced.DEFAULT_COLLECTIVES, **kwargs: Any) -> None:
+    def compile(self, *args: Any, collectives: Optional[str] = None, **kwargs: Any) -> None:
         """``nn.Module.compile``, deciding at the first call how: compiled as the whole model (no
         eager step runs around it), the module's own hooks are traced in the same frame as its
         forward (dynamo's ``wrap_top_frame``), so the collectives of its parameters are in that one
         graph too; a block compiled while the eager engine drives the step keeps its hooks outside
-        the graph (per-block compile). ``collectives``: what Inductor may do with the graph's
-        collectives (``"as_traced"``, ``"bucket"``, ``"bucket_all"``, ``"overlap"``, ``"reorder"``:
-        a set of ``torch._inductor.config`` options each, added to ``options``). docs/compile.md."""
+        the graph (per-block compile). ``collectives`` (whole model, Inductor): what Inductor may do
+        with the graph's collectives, a set of ``torch._inductor.config`` options each, added to
+        ``options``: ``"bucket"`` (the default), ``"bucket_all"``, ``"reorder"``, ``"overlap"``
+        (GPU), ``"as_traced"`` (none). docs/compile.md."""
         groups = [g for state in self._fsdp_states(True) for g in state.own]
         device_type = self._get_fsdp_state().info.device.type
-        backend = kwargs.get("backend", "inductor")
-        options = traced.compile_options(collectives, backend, kwargs.get("options"), groups, device_type)
-        if options is not None:
-            kwargs["options"] = options
-        self._compiled_call_impl = _CompileOnFirstCall(self, args, kwargs)  # type: ignore[assignment]
+        whole = traced.compile_options(collectives, kwargs, groups, device_type)
+        self._compiled_call_impl = _CompileOnFirstCall(self, args, kwargs, whole)  # type: ignore[assignment]
 
     def _fsdp_states(self, recurse: bool) -> Iterable[FSDPState]:
         return fsdp_states([self]) if recurse else (self._get_fsdp_state(),)  # type: ignore[list-item]
@@ -430,8 +428,13 @@ class _CompileOnFirstCall:
     """What ``FSDPModule.compile`` installs: compiles ``_call_impl`` at the first call, in the way
     that call needs (`FSDPModule.compile`). An object, so a deepcopy rebinds it to the copy."""
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.module, self.args, self.kwargs = module, args, kwargs
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, whole_model_kwargs: dict) -> None:
+        self.module, self.args, self.kwargs, self.whole_model_kwargs = (
+            module,
+            args,
+            kwargs,
+            whole_model_kwargs,
+        )
         self.compiled: Optional[Callable[..., Any]] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -440,8 +443,9 @@ class _CompileOnFirstCall:
 
             ctx = self.module._get_fsdp_state().ctx  # type: ignore[attr-defined]
             eager_around = ctx is not None and ctx.root.phase is TrainingPhase.FORWARD
+            how = self.kwargs if eager_around else self.whole_model_kwargs
             with torch._dynamo.config.patch(wrap_top_frame=not eager_around):
-                self.compiled = torch.compile(self.module._call_impl, *self.args, **self.kwargs)
+                self.compiled = torch.compile(self.module._call_impl, *self.args, **how)
         return self.compiled(*args, **kwargs)
 
 

@@ -56,6 +56,8 @@ def register_rebindable(params: Any) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():  # a compiled optimizer step: checked by its eager steps only
+        return
     count = 0
     for group in optimizer.param_groups:
         count += len(group["params"])

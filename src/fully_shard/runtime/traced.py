@@ -182,46 +182,53 @@ COLLECTIVES = {
         ],
     },
 }
-DEFAULT_COLLECTIVES = "as_traced"
+DEFAULT_COLLECTIVES = "bucket"  # measured fastest at no more memory on CPU/gloo (docs/compile.md)
 
 
 def _bucket_cap_mb(mb: float, bucket_id: int) -> float:
     return mb
 
 
-def compile_options(
-    collectives: str, backend: Any, options: Optional[dict], groups: list[Any], device_type: str
-) -> Optional[dict]:
-    """``options`` for ``torch.compile`` with ``collectives``' Inductor settings added (the user's own
-    win); only Inductor takes options, so another backend gets none added. ``"bucket"`` caps a
-    bucket at twice the largest group's unsharded bytes: about what eager holds (a block and the
-    next one prefetched), so bucketing does not gather the whole model at once."""
-    if collectives not in COLLECTIVES:
+def compile_options(collectives: Optional[str], kwargs: dict, groups: list[Any], device_type: str) -> dict:
+    """``torch.compile``'s keyword arguments for a whole-model compile: ``collectives``' Inductor
+    settings added to ``options`` (the user's own win). None: the default, where it applies (with
+    Inductor, and no ``mode``, which torch does not take together with ``options``). ``"bucket"``
+    caps a bucket at twice the largest group's unsharded bytes: about what eager holds (a block
+    and the next one prefetched), so bucketing does not gather the whole model at once."""
+    chosen_name = DEFAULT_COLLECTIVES if collectives is None else collectives
+    if chosen_name not in COLLECTIVES:
         raise ValueError(
             f"FSDPModule.compile: collectives={collectives!r} is not one of {sorted(COLLECTIVES)}. "
             f"Fix: pass one of those (default {DEFAULT_COLLECTIVES!r}; docs/compile.md says what each does)."
         )
-    if backend != "inductor" and collectives != DEFAULT_COLLECTIVES:
-        raise ValueError(
-            f"FSDPModule.compile: collectives={collectives!r} sets Inductor options, but "
-            f"backend={backend!r}. Fix: use the default backend (inductor), or leave collectives at "
-            "its default."
+    backend, mode = kwargs.get("backend", "inductor"), kwargs.get("mode")
+    if backend != "inductor" or mode is not None:
+        if collectives is None or collectives == "as_traced":
+            return kwargs
+        what = (
+            f"backend={backend!r}"
+            if backend != "inductor"
+            else f"mode={mode!r} (torch takes no options with it)"
         )
-    if collectives == "overlap" and device_type == "cpu":
+        raise ValueError(
+            f"FSDPModule.compile: collectives={collectives!r} sets Inductor options, but {what}. "
+            "Fix: use Inductor without mode (pass its settings in options=), or leave collectives out."
+        )
+    if chosen_name == "overlap" and device_type == "cpu":
         raise ValueError(
             "FSDPModule.compile: collectives='overlap' runs Inductor's overlap scheduler, whose cost "
             "model reads a GPU's bandwidth (it fails on CPU for want of triton). Fix: on CPU use "
             "'bucket' or 'reorder' (docs/compile.md)."
         )
-    chosen = dict(COLLECTIVES[collectives])
-    if collectives == "bucket":
+    chosen = dict(COLLECTIVES[chosen_name])
+    if chosen_name == "bucket":
         mb = 2 * max((g.unsharded_bytes() for g in groups), default=0) / 2**20
         cap = functools.partial(_bucket_cap_mb, mb)
         chosen["bucket_all_gathers_fx_bucket_size_determinator"] = cap
         chosen["bucket_reduce_scatters_fx_bucket_size_determinator"] = cap
     if not chosen:
-        return options
-    return {**chosen, **(options or {})}
+        return kwargs
+    return {**kwargs, "options": {**chosen, **(kwargs.get("options") or {})}}
 
 
 # -- the collectives
