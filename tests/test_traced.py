@@ -314,6 +314,25 @@ def _accumulation(mode: str, bf16: bool = False) -> dict:
     }
 
 
+def _copy_without_accumulators() -> str:
+    _fresh_compiler()
+    model = _shard(llama64(LlamaConfig(n_layers=1)), True)
+    model.set_requires_gradient_sync(False)
+    copy_ = copy.deepcopy(model)  # the copy has no unsharded parameters yet
+    x, _ = synthetic_batch(0, 2, 8, 101)
+    try:
+        torch.compile(copy_, backend="aot_eager", fullgraph=True)(x)
+    except Exception as e:  # dynamo wraps what the trace raised
+        return str(e)
+    return "no error"
+
+
+def test_accumulating_without_an_unsharded_parameter_is_refused_with_the_fix(ranks):
+    (message,) = ranks(1).run(_copy_without_accumulators)
+    assert "has no unsharded parameter in its param dtype to accumulate" in message, message
+    assert "Fix: call module.set_requires_gradient_sync(False) again" in message, message
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
     """set_requires_gradient_sync(False) compiled: a second graph whose backward reduces nothing

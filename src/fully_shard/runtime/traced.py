@@ -273,9 +273,10 @@ def _accumulator(fp: Any) -> torch.nn.Parameter:
     unsharded = fp.unsharded_param
     if unsharded is None or unsharded.dtype != fp.dtypes.param:
         raise RuntimeError(
-            f"fully_shard: {fp.path} has no unsharded parameter to accumulate gradients without sync "
-            "under torch.compile (its dtype changed after set_requires_gradient_sync(False)). Fix: call "
-            "module.set_requires_gradient_sync(False) again after changing the module's dtype."
+            f"fully_shard: {fp.path} has no unsharded parameter in its param dtype to accumulate "
+            "gradients without sync under torch.compile (set_requires_gradient_sync(False) makes one; "
+            "the module's dtype changed since, or the module is a copy). Fix: call "
+            "module.set_requires_gradient_sync(False) again just before the compiled micro-batch."
         )
     return unsharded
 
