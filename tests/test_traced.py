@@ -314,6 +314,36 @@ def _accumulation(mode: str, bf16: bool = False) -> dict:
     }
 
 
+def _graph_outputs() -> list[int]:
+    """The whole model compiled (``FSDPModule.compile``: the root's hooks in the graph), one
+    micro-batch without sync and one with: each dynamo graph's number of outputs."""
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    model = _shard(llama64(LlamaConfig(n_layers=2)), True)
+    outputs = []
+
+    def backend(gm, example_inputs):
+        outputs.append(len(next(n for n in gm.graph.nodes if n.op == "output").args[0]))
+        return gm.forward
+
+    model.compile(backend=backend, fullgraph=True)
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        x, y = synthetic_batch(micro, 4, 16, 101)
+        loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank]).backward()
+    return outputs
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_gathered_parameter_leaves_the_graph(ranks, world_size):
+    """The logits are the graph's only output, with and without gradient sync: a gathered
+    parameter kept in a dict from before the graph became an output of the no-sync graph (alive
+    until the step's end; at world 1 views of one buffer, which torch 2.11 refuses to compile)."""
+    for outputs in ranks(world_size).run(_graph_outputs):
+        assert outputs == [1, 1], outputs
+
+
 def _copy_without_accumulators() -> str:
     _fresh_compiler()
     model = _shard(llama64(LlamaConfig(n_layers=1)), True)
@@ -432,19 +462,22 @@ def _inductor_collectives(collectives: str) -> dict:
     }
 
 
-def test_inductor_bucketing_of_the_graph_collectives(ranks):
-    """``collectives="bucket_all"`` (Inductor's FX bucketing, uncapped): the 3 all-gathers of the
-    forward graph (and the 3 the backward graph regathers) become one per graph, the 3
-    reduce-scatters one. ``"bucket"`` caps a bucket at twice the largest group's bytes: 2 per
-    graph. Each compiles as one graph (no recompile over the steps), and training equals eager
-    within float64 rounding."""
-    plain, capped, uncapped = (ranks(2).run(_inductor_collectives, c)[0] for c in ("as_traced", "bucket", "bucket_all"))
-    print(f"as traced: {plain}\nbucket: {capped}\nbucket_all: {uncapped}")
-    assert (plain["all_gathers"], plain["reduce_scatters"]) == (6, 3), plain
-    assert (capped["all_gathers"], capped["reduce_scatters"]) == (4, 2), capped
-    assert (uncapped["all_gathers"], uncapped["reduce_scatters"]) == (2, 1), uncapped
-    for r in (plain, capped, uncapped):
-        assert r["graphs"] == 1 and r["param_diff"] <= TOL64 and r["loss_diff"] <= TOL64, r
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason="torch 2.11's Inductor allocates the float64 CPU attention backward's logsumexp in float32 "
+    "(the plain model, no fully_shard, fails the same: 'expected scalar type Double but found Float')",
+)
+@pytest.mark.parametrize("collectives, all_gathers, reduce_scatters",
+                         [("as_traced", 6, 3), ("bucket", 4, 2), ("bucket_all", 2, 1)])
+def test_inductor_bucketing_of_the_graph_collectives(ranks, collectives, all_gathers, reduce_scatters):
+    """As traced: 3 all-gathers in the forward graph, 3 regathers in the backward graph, 3
+    reduce-scatters. ``collectives="bucket_all"`` (Inductor's FX bucketing, uncapped): one of each
+    per graph. ``"bucket"`` caps a bucket at twice the largest group's bytes: 2 per graph. Each
+    compiles as one graph (no recompile over the steps), and training equals eager within float64
+    rounding."""
+    (r,) = ranks(2).run(_inductor_collectives, collectives)[:1]
+    assert (r["all_gathers"], r["reduce_scatters"]) == (all_gathers, reduce_scatters), r
+    assert r["graphs"] == 1 and r["param_diff"] <= TOL64 and r["loss_diff"] <= TOL64, r
 
 
 def _bad_collectives() -> list[str]:
@@ -472,24 +505,32 @@ def test_a_bad_collectives_setting_is_refused_with_the_fix(ranks):
     assert default_with_mode == "no error", default_with_mode
 
 
-def _refused() -> str:
-
+def _refused(form: str) -> tuple[str, str]:
     _fresh_compiler()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1))
     _shard(model, True)
-    model.set_requires_all_reduce(False)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    model.layers[0].set_requires_all_reduce(False)  # a block's setting: the root's own is fine
+    if form == "wrap":
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    else:
+        model.compile(backend="aot_eager", fullgraph=True)
+        compiled = model
     x, _ = synthetic_batch(0, 2, 8, 101)
     try:
         compiled(x)
-    except Exception as e:  # dynamo wraps what the trace raised
-        return str(e)
-    return "no error"
+    except Exception as e:  # raised before tracing: torch's own type, our message
+        return type(e).__name__, str(e)
+    return "no error", ""
 
 
-def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks):
-    for message in ranks(2).run(_refused):
+@pytest.mark.parametrize("form", ["wrap", "method"])
+def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks, form):
+    """Refused before dynamo traces (the root's hooks of ``torch.compile(model)`` run eagerly;
+    ``FSDPModule.compile`` checks at its first call): inside a trace, torch 2.11's dynamo reports
+    only "Observed exception" (seen on the lent GPU machine, 2026-11-26)."""
+    for kind, message in ranks(2).run(_refused, form):
+        assert kind == "RuntimeError", (kind, message)  # not dynamo's wrapper: raised outside the trace
         assert "does not support set_requires_all_reduce(False) yet" in message, message
         assert "block.compile()" in message, message
 

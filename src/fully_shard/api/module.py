@@ -444,6 +444,8 @@ class _CompileOnFirstCall:
             ctx = self.module._get_fsdp_state().ctx  # type: ignore[attr-defined]
             eager_around = ctx is not None and ctx.root.phase is TrainingPhase.FORWARD
             how = self.kwargs if eager_around else self.whole_model_kwargs
+            if not eager_around:  # the whole model traced: refused here, with the message (`traced`)
+                traced.refuse_untraceable_tree(self.module._get_fsdp_state())  # type: ignore[attr-defined]
             with torch._dynamo.config.patch(wrap_top_frame=not eager_around):
                 self.compiled = torch.compile(self.module._call_impl, *self.args, **how)
         return self.compiled(*args, **kwargs)

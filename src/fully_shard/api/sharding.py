@@ -252,6 +252,8 @@ class _OutsideCompile:
             return self.hook(*args, **kwargs)  # plain eager
         state = self.hook.__self__
         if traced.traced_here(state):
+            if not compiling:  # a frame of its own, run eagerly: refuse here, where the message survives
+                traced.refuse_untraceable_tree(state)
             return self.traced_hook(state, *args, **kwargs)
         return self.run_eagerly(*args, **kwargs)
 

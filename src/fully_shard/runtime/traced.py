@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from .lifecycle import IterationPhase, TrainingPhase
-from .state import _cast_floats
+from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
 
@@ -65,7 +65,7 @@ def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict)
 
 def traced_post_forward(state: Any, module: nn.Module, args: tuple, output: Any) -> Any:
     """Drop what this module's forward gathered; cast the output."""
-    state.__dict__["_traced"] = {}
+    state._traced = None  # the next forward makes a new dict (`traced_param`)
     if not torch.compiler.is_compiling():
         _set_functional(state, False)
     dtype = state.mp_policy.output_dtype
@@ -89,7 +89,9 @@ def traced_param(module: nn.Module, name: str) -> Any:
         owner = module.__dict__.get("_fsdp_traced_params", {}).get(name)
         if owner is not None and traced_here(owner[1]):
             fp, state = owner
-            gathered = state.__dict__.setdefault("_traced", {})
+            gathered = state._traced
+            if gathered is None:  # made inside the graph: a dict from before it, written here, would
+                gathered = state._traced = {}  # make every gathered parameter a graph output
             if id(fp) not in gathered:
                 group = fp.group
                 reshard = state.settings.reshard_after_forward is not False
@@ -118,6 +120,7 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     for fp, place in places:
         if not fp.where.info.plain:  # plain parameters are refused while tracing (`refuse_untraceable`)
             by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
+    state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
     modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
         if not any(m is module for m in modules):
@@ -127,6 +130,18 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
         cls = type(module)
         base = cls.__bases__[0] if "_fsdp_traced_names" in cls.__dict__ else cls
         module.__class__ = traced_class(base, tuple(sorted(table)))
+
+
+def refuse_untraceable_tree(state: Any) -> None:
+    """`refuse_untraceable` for every state under ``state``'s modules, outside any trace (the
+    root's hook objects of ``torch.compile(model)``, ``FSDPModule.compile``'s first call): inside a
+    trace, dynamo reports only "Observed exception", without the message. Once per
+    state; a setting changed later is still refused inside the trace."""
+    if state.__dict__.get("_tree_traceable"):
+        return
+    for s in fsdp_states(state.modules):
+        refuse_untraceable(s)
+    state._tree_traceable = True
 
 
 def refuse_untraceable(state: Any) -> None:
@@ -344,6 +359,8 @@ class _GatherGroup(torch.autograd.Function):
         ctx.pending = [p is not None for p in pending]
         ctx.save_for_backward(*(p for p in pending if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
+        if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
+            return tuple(local.to(plan.param_dtype) for local in shards)  # (torch 2.11 refuses those)
         flat = []
         for local, layout in zip(shards, plan.layouts):
             local = local.to(plan.param_dtype)
@@ -352,16 +369,13 @@ class _GatherGroup(torch.autograd.Function):
                 local = torch.cat([local, local.new_zeros((missing, *layout.shape[1:]))])
             flat.append(local.reshape(-1))
         flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
-        if plan.world > 1:
-            out = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group))
-        else:
-            out = flat_in
+        out = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group))
         per_rank = out.view(plan.world, -1)
         fulls, offset = [], 0
         for layout in plan.layouts:
             numel = layout.shard_numel
             rows = per_rank[:, offset : offset + numel].reshape(plan.world * layout.rows, *layout.shape[1:])
-            fulls.append(rows[: layout.shape[0]].clone() if plan.world > 1 else rows[: layout.shape[0]])
+            fulls.append(rows[: layout.shape[0]].clone())
             offset += numel
         return tuple(fulls)
 
