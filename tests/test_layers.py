@@ -22,6 +22,7 @@ LAYERS = {
     "fully_shard.tools": 4,
     "fully_shard.debug": 4,
     "fully_shard.plan": 4,
+    "fully_shard.pipelining": 4,
     "fully_shard.fsdp1": 5,
     "fully_shard": 6,  # the package's own __init__: public names only
 }

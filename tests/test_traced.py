@@ -531,6 +531,7 @@ def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks, form):
     only "Observed exception" (seen on the lent GPU machine, 2026-11-26)."""
     for kind, message in ranks(2).run(_refused, form):
         assert kind == "RuntimeError", (kind, message)  # not dynamo's wrapper: raised outside the trace
+        assert "traces module layers.0 as part of a whole compiled model" in message, message
         assert "does not support set_requires_all_reduce(False) yet" in message, message
         assert "block.compile()" in message, message
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..runtime import traced
-from ..runtime.lifecycle import Event, TrainingPhase
+from ..runtime.lifecycle import Event, IterationPhase, TrainingPhase
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.registry import class_name
 from ..features import finite
@@ -349,6 +349,36 @@ class FSDPModule:
                 g.discard_unsharded_grads()
             if state.ctx is not None and state.is_root:
                 state.ctx.unsynced_backwards = 0
+
+    def reduce_grads(self) -> None:
+        """Finish a backward by hand: reduce-scatter (and, with HSDP, all-reduce) every gradient
+        accumulated without sync on the unsharded parameters under this root, whatever
+        ``set_requires_gradient_sync`` says, wait for the reductions, and reshard. For loops and
+        pipeline schedules that end an accumulation window without one more synced
+        ``loss.backward()`` (e.g. a split backward whose weight pass runs outside autograd's
+        callbacks; `fully_shard.pipelining.PipelineStage` calls it). Call it on the root after the
+        step's last backward, before ``optimizer.step()``; with nothing accumulated it issues no
+        collective and only reshards."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:  # no forward yet: nothing accumulated, nothing gathered
+            return
+        if not state.is_root:
+            raise RuntimeError(
+                f"fully_shard: reduce_grads() was called on {state.name()}, which is not a root (its "
+                f"root is {state.ctx.root.name()}): a root reduces its whole tree at once. Fix: call "
+                "reduce_grads() on the root module."
+            )
+        ctx = state.root_context()
+        inside = "a backward" if ctx.phase in (IterationPhase.BACKWARD, IterationPhase.FINALIZING) else None
+        if inside is None and any(s.phase is TrainingPhase.FORWARD for s in ctx.states):
+            inside = "a forward"
+        if inside is not None:
+            raise RuntimeError(
+                f"fully_shard: reduce_grads() was called on {ctx.name()} inside {inside}, whose "
+                "gradients are not all made yet. Fix: call it after the step's last backward has "
+                "returned (after loss.backward(), or the pipeline schedule's step), before optimizer.step()."
+            )
+        ctx.handle(Event.REDUCE_GRADS)
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: reshard every module under this root and drop

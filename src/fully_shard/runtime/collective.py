@@ -31,6 +31,7 @@ class Reason(str, Enum):
     EXPLICIT = "explicit"  # FSDPModule.unshard()
     UNSHARDED_CONTEXT = "unsharded_context"  # fully_shard.unsharded(model)
     END_OF_BACKWARD = "end_of_backward"  # reduced by the end-of-backward callback: no signal fired
+    REDUCE_GRADS = "reduce_grads"  # FSDPModule.reduce_grads(): a backward finished by hand
 
     @property
     def forward(self) -> bool:

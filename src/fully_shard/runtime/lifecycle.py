@@ -46,6 +46,7 @@ class ModuleEvent(Enum):
     SIGNAL = auto()  # a post-backward signal fired: the gradients of one forward use exist
     BACKWARD_END = auto()  # the root's end of backward: reduce what no signal covered
     RESET = auto()
+    REDUCE_GRADS = auto()  # the root's reduce_grads(): reduce what accumulated, reshard
 
 
 class IterationPhase(Enum):
@@ -65,6 +66,7 @@ class Event(Enum):
     PRE_BACKWARD = auto()  # a sharded module's outputs got their gradients
     BACKWARD_END = auto()  # autograd ran the queued end-of-backward callback
     RESET = auto()  # reset_iter_state()
+    REDUCE_GRADS = auto()  # FSDPModule.reduce_grads(): a backward finished by hand
 
 
 @dataclass(frozen=True)

@@ -208,18 +208,34 @@ class RootContext:
                 self.start_reduce(bucket.flush(Reason.END_OF_BACKWARD))
             # Micro-batching: not the last backward, so leave the last reduce-scatter in flight.
             if self.root.settings.is_last_backward:
-                self.finish_pending_reduce()
-                self.post_forward_order.clear()
-                for state in self.states:
-                    if state.settings.keep_low_precision_grads:
-                        for g in state.own:
-                            g.lower_grads()
-                for state in self.states:  # offloaded .grad must be on the host for the optimizer
-                    for g in state.own:
-                        if g.offload_events:
-                            g.wait_for_offloaded_grads()
-                if self.gradient_check is not None:
-                    self.gradient_check.conclude()
+                self.conclude_backward()
+
+    def reduce_grads(self) -> None:
+        """`FSDPModule.reduce_grads`: what the end of a synced last backward does, without one:
+        every module reduces what accumulated on its unsharded parameters and reshards; wait."""
+        with record_function("FSDP::reduce_grads"):
+            for state in self.states:
+                state.reduce_by_hand()
+            for bucket in self.buckets:
+                self.start_reduce(bucket.flush(Reason.REDUCE_GRADS))
+            self.unsynced_backwards = 0
+            self.conclude_backward()
+
+    def conclude_backward(self) -> None:
+        """After the last backward before the optimizer step: every reduction landed, low-precision
+        and offloaded gradients where the optimizer reads them, the gradient check's verdict."""
+        self.finish_pending_reduce()
+        self.post_forward_order.clear()
+        for state in self.states:
+            if state.settings.keep_low_precision_grads:
+                for g in state.own:
+                    g.lower_grads()
+        for state in self.states:  # offloaded .grad must be on the host for the optimizer
+            for g in state.own:
+                if g.offload_events:
+                    g.wait_for_offloaded_grads()
+        if self.gradient_check is not None:
+            self.gradient_check.conclude()
 
     def reset_iteration(self) -> None:
         """Forget a forward that raised: reshard everything. It made no gradient, so those of earlier
@@ -552,6 +568,9 @@ class FSDPState:
     def finish_backward(self) -> None:
         self.handle(ModuleEvent.BACKWARD_END)
 
+    def reduce_by_hand(self) -> None:
+        self.handle(ModuleEvent.REDUCE_GRADS)
+
     def reset(self) -> None:
         self.handle(ModuleEvent.RESET)
 
@@ -792,6 +811,18 @@ class FSDPState:
             )
         self.root_context().start_reduce(results)
 
+    def reduce_accumulated(self) -> None:
+        """`FSDPModule.reduce_grads`: reduce what accumulated without sync and reshard, whatever
+        the sync and reshard settings say (they govern backward; this is the user's explicit call)."""
+        self._signals_pending = 0
+        self._members_done.clear()
+        results: list[ReduceScatterResult] = []
+        for g in self.own:
+            results += g.post_backward(
+                Reason.REDUCE_GRADS, sync=True, reshard=True, bucketed=self.default_schedule
+            )
+        self.root_context().start_reduce(results)
+
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""
         self._signals_pending = 0
@@ -825,6 +856,12 @@ ITERATION: dict[tuple[IterationPhase, Event], Entry] = {
     **{(p, _E.PRE_BACKWARD): Step(_I.BACKWARD, RootContext.begin_backward) for p in (_I.IDLE, _I.FORWARD)},
     (_I.BACKWARD, _E.PRE_BACKWARD): Step(_I.BACKWARD),
     (_I.BACKWARD, _E.BACKWARD_END): Step(_I.FINALIZING, RootContext.finish_backward, then=_I.IDLE),
+    # reduce_grads(): between backwards (a pipeline schedule's end, a split backward's weight pass
+    # run outside autograd's callbacks); also after a forward whose backward never comes.
+    **{
+        (p, _E.REDUCE_GRADS): Step(_I.FINALIZING, RootContext.reduce_grads, then=_I.IDLE)
+        for p in (_I.IDLE, _I.FORWARD)
+    },
     # reset_iter_state(): after a forward that raised, or a backward (its gradients dropped too).
     **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_iteration) for p in (_I.IDLE, _I.FORWARD)},
     **{(p, _E.RESET): Step(_I.IDLE, RootContext.reset_failed_backward) for p in (_I.BACKWARD, _I.FINALIZING)},
@@ -871,5 +908,11 @@ MODULE: dict[tuple[TrainingPhase, ModuleEvent], Entry] = {
     **{(p, _M.RECOMPUTE): Step(p, _S.unshard_for_recompute) for p in _P},
     **{(p, _M.RECOMPUTE_DONE): Step(p, _S.after_recompute) for p in _P},
     **{(p, _M.BACKWARD_END): Step(_P.POST_BACKWARD, _S.reduce_leftovers, then=_P.IDLE) for p in _P},
+    # Not inside the module's own forward (its gathered parameters are in use there).
+    **{
+        (p, _M.REDUCE_GRADS): Step(_P.POST_BACKWARD, _S.reduce_accumulated, then=_P.IDLE)
+        for p in _P
+        if p is not _P.FORWARD
+    },
     **{(p, _M.RESET): Step(_P.IDLE, _S.reset_module) for p in _P},
 }

@@ -139,14 +139,14 @@ def refuse_untraceable_tree(state: Any) -> None:
     state; a setting changed later is still refused inside the trace."""
     if state.__dict__.get("_tree_traceable"):
         return
-    for s in fsdp_states(state.modules):
-        refuse_untraceable(s)
+    for s, path in fsdp_states(state.modules).items():  # (paths: before lazy init, states have none)
+        refuse_untraceable(s, f"module {path or '<root>'}")
     state._tree_traceable = True
 
 
-def refuse_untraceable(state: Any) -> None:
+def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     """Raise, while tracing, for what the traced path does not do yet: each names the fix."""
-    s, name = state.settings, state.name
+    s, name = state.settings, name or state.name()
     unsupported = [
         (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
         (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
