@@ -12,7 +12,7 @@ data-parallel collectives of each step on rank 0.
 
 Options: --pp P (divides the world size) --schedule {gpipe,1f1b,interleaved,zb,zbv} --microbatches M
          --steps N --batch B (global) --seq-len S --dim D --layers L --lr LR --device {auto,cpu,cuda}
-         --count --max-bytes N
+         --count --max-bytes N --fp64
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import math
 import os
+import time
 import sys
 
 import torch
@@ -108,6 +109,7 @@ def main() -> None:
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="text read (the stdlib's sources)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--count", action="store_true", help="print each step's all-gathers and reduce-scatters")
+    p.add_argument("--fp64", action="store_true", help="train in float64 (compare a GPU run with a CPU run)")
     args = p.parse_args()
     device = setup(args.device)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -131,6 +133,8 @@ def main() -> None:
     with torch.device(device):
         model = Llama(cfg)
         model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())  # untied
+        if args.fp64:
+            model.double()
     per_stage = args.layers // n_stages
     stages, modules = [], []
     for s in stage_indices(args.schedule, pp_rank, args.pp):
@@ -151,7 +155,9 @@ def main() -> None:
         print(f"mesh (pp={args.pp}, dp={dp}), {name}, {n_stages} stages of {per_stage} blocks, "
               f"{args.microbatches} micro-batches", flush=True)
 
+    times = []
     for step in range(args.steps):
+        start = time.perf_counter()
         x, y = batches.rank_batch(step, dp_rank, dp)
         x, y = x.to(device), y.to(device)
         losses: list[torch.Tensor] = []
@@ -161,13 +167,20 @@ def main() -> None:
             schedule.step(x, **kwargs) if holds_first else schedule.step(**kwargs)
         optimizer.step()
         optimizer.zero_grad()
+        if device.type != "cpu":
+            torch.accelerator.synchronize(device)
+        times.append(time.perf_counter() - start)
         # the step's mean loss, on the last stage's ranks, averaged over dp, to rank 0
-        mean = torch.stack(losses).mean().detach().float() if holds_last else torch.zeros((), device=device)
+        mean = torch.stack(losses).mean().detach().double() if holds_last else torch.zeros((), dtype=torch.float64, device=device)
         dist.all_reduce(mean)
         if rank == 0:
             bpb = mean.item() / dp / math.log(2)
             extra = f"  all-gathers {counter.all_gather} reduce-scatters {counter.reduce_scatter}" if counter else ""
-            print(f"step {step:3d}  loss {bpb:.3f} bits/byte{extra}", flush=True)
+            print(f"step {step:3d}  loss {bpb:.3f} bits/byte ({mean.item() / dp!r} nats){extra}", flush=True)
+    if rank == 0 and len(times) > 1:
+        steady = sorted(times[1:])
+        peak = f", peak allocated {torch.accelerator.max_memory_allocated(device) / 2**20:.1f} MiB" if device.type != "cpu" else ""
+        print(f"median step {steady[len(steady) // 2] * 1e3:.1f} ms (after the first){peak}", flush=True)
 
     shutdown()
 
