@@ -182,13 +182,25 @@ def test_pipeline_x_data_parallel_x_tensor_parallel_world_8(ranks):
 # -- reduce_grads(): a backward finished by hand
 
 
-def _accumulate(finish: str) -> dict:
+def _accumulate(finish: str, hsdp: bool = False) -> dict:
     """3 micro-batches without sync, then ``finish``: "reduce_grads" (by hand) or "synced" (the
-    last micro-batch's backward synced, the usual way); one optimizer step; twice."""
-    from _parity import nested_mlp_and_reference
+    last micro-batch's backward synced, the usual way); one optimizer step; twice. ``hsdp``: on a
+    (2, world/2) (replicate, shard) mesh."""
+    from _parity import make_mlp, nested_mlp_and_reference
 
     rank, w = world()
-    model, _ = nested_mlp_and_reference()
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from fully_shard import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard"))
+        model = make_mlp()
+        for block in model[:3]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model, _ = nested_mlp_and_reference()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts = []
     for step in range(2):
@@ -199,14 +211,14 @@ def _accumulate(finish: str) -> dict:
             log = CollectiveLog()
             with log:
                 loss.backward()
-            if finish == "synced" and micro == 2:
-                counts.append(len(log.calls))
+            if finish == "synced" and micro == 2:  # its reductions (not the gathers backward needs)
+                counts.append(sorted(c for c in log.calls if c[0] != "all_gather"))
         if finish == "reduce_grads":
             log = CollectiveLog()
             with log:
                 model.reduce_grads()
                 model.reduce_grads()  # nothing left: no collective
-            counts.append(len(log.calls))
+            counts.append(sorted(log.calls))
         opt.step()
         opt.zero_grad()
     return {"params": {n: full(p.detach()) for n, p in model.named_parameters()}, "counts": counts}
@@ -216,12 +228,25 @@ def _accumulate(finish: str) -> dict:
 def test_reduce_grads_by_hand_equals_a_synced_last_backward(ranks, world_size):
     """Gradients accumulated without sync, reduced by ``reduce_grads()``: bit for bit what the
     usual loop (the last micro-batch's backward synced) trains, with the reduce-scatters that
-    backward issues (3 at world 2 and 4: the small groups share buckets; none at world 1), then
-    none for a second call."""
+    backward issues, buckets alike (2 at world 2 and 4: the blocks share one bucket, the root's
+    own Linear has one; none at world 1), then none for a second call."""
     pool = ranks(world_size)
     for by_hand, synced in zip(pool.run(_accumulate, "reduce_grads"), pool.run(_accumulate, "synced")):
         assert all(torch.equal(by_hand["params"][k], synced["params"][k]) for k in synced["params"])
-        assert by_hand["counts"] == synced["counts"] == [3 if world_size > 1 else 0] * 2, (by_hand, synced)
+        assert by_hand["counts"] == synced["counts"], (by_hand["counts"], synced["counts"])
+        assert [len(c) for c in by_hand["counts"]] == [2 if world_size > 1 else 0] * 2, by_hand["counts"]
+
+
+def test_reduce_grads_by_hand_with_hsdp(ranks):
+    """HSDP (2 replicas x 2 shards): reduce_grads() reduce-scatters and all-reduces what
+    accumulated, bit for bit the synced last backward, with the same collectives (a bucket and
+    the root's group: 2 reduce-scatters, 2 all-reduces)."""
+    pool = ranks(4)
+    for by_hand, synced in zip(pool.run(_accumulate, "reduce_grads", True), pool.run(_accumulate, "synced", True)):
+        assert all(torch.equal(by_hand["params"][k], synced["params"][k]) for k in synced["params"])
+        assert by_hand["counts"] == synced["counts"], (by_hand["counts"], synced["counts"])
+        assert [sorted({op for op, _ in c}) for c in by_hand["counts"]] == [["allreduce_", "reduce_scatter"]] * 2
+        assert [len(c) for c in by_hand["counts"]] == [4, 4], by_hand["counts"]
 
 
 def _misuse() -> list[str]:

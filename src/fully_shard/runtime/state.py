@@ -214,7 +214,7 @@ class RootContext:
         """`FSDPModule.reduce_grads`: what the end of a synced last backward does, without one:
         every module reduces what accumulated on its unsharded parameters and reshards; wait."""
         with record_function("FSDP::reduce_grads"):
-            for state in self.states:
+            for state in reversed(self.states):  # backward's order: a bucket issues at its last member
                 state.reduce_by_hand()
             for bucket in self.buckets:
                 self.start_reduce(bucket.flush(Reason.REDUCE_GRADS))
