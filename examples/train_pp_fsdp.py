@@ -36,7 +36,7 @@ from teardown import shutdown  # noqa: E402
 from textdata import Batches, load_corpus  # noqa: E402
 from train_llama import setup  # noqa: E402
 
-from fully_shard import fully_shard  # noqa: E402
+from fully_shard import fully_shard, share_comm_ctx  # noqa: E402
 from fully_shard.pipelining import PipelineStage  # noqa: E402
 
 SCHEDULES = {
@@ -144,6 +144,8 @@ def main() -> None:
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
         modules.append(module)
         stages.append(PipelineStage(module, s, n_stages, device, group=mesh["pp"].get_group()))
+    if len(modules) > 1:  # one rank's stages share one communication context (streams, in-flight limit)
+        share_comm_ctx(modules)
     del model  # each rank keeps only its stages
     schedule_cls = getattr(pipelining, name)
     schedule = schedule_cls(stages if virtual > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)

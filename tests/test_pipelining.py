@@ -98,6 +98,10 @@ def _train(schedule: str, impl: str = "ours", steps: int = 2, tp: int = 1) -> di
         fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
         modules.append(module)
         stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+    if len(modules) > 1 and impl == "ours":
+        from fully_shard import share_comm_ctx
+
+        share_comm_ctx(modules)
     cls = getattr(pipelining, schedule)
     sched = cls(stages if schedule in MULTI else stages[0], n_microbatches=N_MICRO, loss_fn=_loss)
     opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
