@@ -43,10 +43,13 @@ class PipelineStage(_TorchPipelineStage):
         if not isinstance(module, FSDPModule):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # Accumulate on the unsharded parameters, which stay registered for the weight pass of a
-        # split backward (it finds each parameter's gradient accumulator in the graph).
-        module.set_requires_gradient_sync(False)
-        module.set_reshard_after_backward(False)
-        module.set_is_last_backward(False)
+        # split backward (it finds each parameter's gradient accumulator in the graph). Set once
+        # per step: the setters walk the whole tree.
+        if not self.__dict__.get("_fsdp_accumulating"):
+            module.set_requires_gradient_sync(False)
+            module.set_reshard_after_backward(False)
+            module.set_is_last_backward(False)
+            self._fsdp_accumulating = True
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         # The last gradient of the step is in (schedules without a REDUCE_GRAD action only say
         # so here): reduce now. The input-gradient pass of a split backward is never the last.
@@ -61,8 +64,8 @@ class PipelineStage(_TorchPipelineStage):
             self._reduce(self.submod)
         super().perform_reduce_grad(grad_scale_factor)
 
-    @staticmethod
-    def _reduce(module: FSDPModule) -> None:
+    def _reduce(self, module: FSDPModule) -> None:
+        self._fsdp_accumulating = False
         module.set_requires_gradient_sync(True)
         module.set_reshard_after_backward(True)
         module.set_is_last_backward(True)
