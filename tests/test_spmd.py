@@ -27,9 +27,12 @@ def _shard_blocks(model, **kwargs) -> None:
 
 
 def _same_as_submesh(kind: str) -> dict:
-    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
-
     from fully_shard import DataParallelMeshDims
+
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims as TorchDims  # PyTorch's, which ours accepts
+    except ImportError:  # torch < 2.13 has none: ours stands in
+        TorchDims = DataParallelMeshDims
 
     a, b = make_mlp(), make_mlp()
     if kind == "hsdp":
