@@ -34,14 +34,13 @@ COUNTER = alloc.install()  # before any tensor of a model exists
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.pipelining as pipelining  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
-from llama_model import Llama, LlamaConfig, loss_fn  # noqa: E402
+from llama_model import loss_fn  # noqa: E402
 from teardown import shutdown  # noqa: E402
 from textdata import Batches, load_corpus  # noqa: E402
-from train_pp_fsdp import SCHEDULES, LlamaStage, count_collectives, stage_indices  # noqa: E402
+from train_pp_fsdp import SCHEDULES, build_stages, count_collectives  # noqa: E402
 
 
 class Impl:
@@ -58,22 +57,8 @@ class Impl:
             else:
                 from torch.distributed.pipelining import PipelineStage
         sched_name, virtual = SCHEDULES[args.schedule]
-        n_stages = args.pp * virtual
-        cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4, hidden_dim=2 * args.dim,
-                          max_seq_len=args.seq_len)
-        torch.manual_seed(0)
-        model = Llama(cfg)
-        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
-        per = args.layers // n_stages
-        self.pp_rank, self.dp_rank, self.dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank(), mesh["dp"].size()
-        stages, modules = [], []
-        for s in stage_indices(args.schedule, self.pp_rank, args.pp):
-            module = LlamaStage(model, range(s * per, (s + 1) * per), s == 0, s == n_stages - 1)
-            for layer in module.layers:
-                fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
-            fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
-            modules.append(module)
-            stages.append(PipelineStage(module, s, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+        self.dp_rank, self.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+        modules, stages = build_stages(args, mesh, torch.device("cpu"), fully_shard, PipelineStage)
         cls = getattr(pipelining, sched_name)
         self.schedule = cls(stages if virtual > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)

@@ -16,5 +16,5 @@ t info; nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.
 MODEL="--model llama --dim 2048 --layers 8 --heads 16 --vocab 32000 --seq-len 2048 --batch 4 --param-dtype bf16"
 t compile bench 0.5B bf16; timeout 250 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/bench_step.py --device cuda $MODEL --compile --compile-collectives overlap --rounds 3 --steps-per-round 2 --warmup 1 --memory-repeats 1 --out $OUT/gpu-compile-world1.md > $OUT/compile_bench.log 2>&1; tail -14 $OUT/compile_bench.log
 t profile; timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/profile_overlap.py --device cuda $MODEL --out-dir $OUT/profile --impl ours+model --impl torch_fsdp2+blocks --impl ours+model:overlap --impl ours > $OUT/profile.log 2>&1; grep -E "comm kernels|^\|" $OUT/profile.log; tail -3 $OUT/profile.log
-t test_traced; timeout 80 python3 -m pytest -q -x -x -p no:cacheprovider tests/test_traced.py -k "world_size or bucketing or accumulation" > $OUT/test_traced.log 2>&1; tail -3 $OUT/test_traced.log
+t test_traced; timeout 80 python3 -m pytest -q -x -p no:cacheprovider tests/test_traced.py -k "world_size or bucketing or accumulation" > $OUT/test_traced.log 2>&1; tail -3 $OUT/test_traced.log
 t done

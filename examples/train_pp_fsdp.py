@@ -78,6 +78,32 @@ def stage_indices(schedule: str, pp_rank: int, pp: int) -> list[int]:
     return [pp_rank, pp_rank + pp]
 
 
+def build_stages(args: argparse.Namespace, mesh, device: torch.device, shard, stage_cls) -> tuple[list, list]:
+    """This pipeline rank's stage modules, their blocks and themselves sharded with ``shard`` over
+    "dp" (``reshard_after_forward=False``), and a ``stage_cls`` for each (ours, or PyTorch's
+    ``fully_shard`` and ``PipelineStage``: benchmarks/bench_pp.py). Built from the same seed on
+    every rank; the embedding and output projection untied."""
+    n_stages = args.pp * SCHEDULES[args.schedule][1]
+    cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4, hidden_dim=2 * args.dim,
+                      max_seq_len=args.seq_len)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg)
+        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())  # untied
+        if getattr(args, "fp64", False):
+            model.double()
+    per_stage = args.layers // n_stages
+    modules, stages = [], []
+    for s in stage_indices(args.schedule, mesh["pp"].get_local_rank(), args.pp):
+        module = LlamaStage(model, range(s * per_stage, (s + 1) * per_stage), s == 0, s == n_stages - 1)
+        for layer in module.layers:
+            shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+        shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+        modules.append(module)
+        stages.append(stage_cls(module, s, n_stages, device, group=mesh["pp"].get_group()))
+    return modules, stages
+
+
 def count_collectives() -> "torch.utils._python_dispatch.TorchDispatchMode":
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -125,28 +151,12 @@ def main() -> None:
     if not hasattr(pipelining, name):
         raise SystemExit(f"this torch ({torch.__version__}) has no {name}")
     mesh = init_device_mesh(device.type, (args.pp, dp), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    dp_rank = mesh["dp"].get_local_rank()
 
-    cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4, hidden_dim=2 * args.dim,
-                      max_seq_len=args.seq_len)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(cfg)
-        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())  # untied
-        if args.fp64:
-            model.double()
-    per_stage = args.layers // n_stages
-    stages, modules = [], []
-    for s in stage_indices(args.schedule, pp_rank, args.pp):
-        module = LlamaStage(model, range(s * per_stage, (s + 1) * per_stage), s == 0, s == n_stages - 1)
-        for layer in module.layers:
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
-        modules.append(module)
-        stages.append(PipelineStage(module, s, n_stages, device, group=mesh["pp"].get_group()))
+    modules, stages = build_stages(args, mesh, device, fully_shard, PipelineStage)
     if len(modules) > 1:  # one rank's stages share one communication context (streams, in-flight limit)
         share_comm_ctx(modules)
-    del model  # each rank keeps only its stages
+    per_stage = args.layers // n_stages
     schedule_cls = getattr(pipelining, name)
     schedule = schedule_cls(stages if virtual > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW([q for m in modules for q in m.parameters()], lr=args.lr)
