@@ -92,6 +92,28 @@ def test_hsdp_matches_single_process_and_torch(ranks, world_size):
             assert r["per_step"] == [(rs, ar)] * len(r["per_step"])
 
 
+def _hsdp_reshard_to_pairs() -> dict:
+    from fully_shard import debug, fully_shard
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    _shard_mlp_hsdp(model, hsdp_mesh((2, 4)), fully_shard, reshard_after_forward=2)
+    with debug.trace() as t:
+        out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS)
+    out["all_gather_sizes"] = sorted({r.group_size for r in t.select(op="all_gather")})
+    return out
+
+
+def test_hsdp_reshard_to_a_smaller_group_than_a_replicas_shards(ranks):
+    """World 8, (2 replicas, 4 shards), ``reshard_after_forward=2``: each replica's shard group
+    is split into pairs by its own ranks only (was: by every rank in one global order, so two
+    replicas' pairs took the same group name)."""
+    results = ranks(8).run(_hsdp_reshard_to_pairs)
+    check(results, "hsdp (2, 4), reshard 2")
+    for r in results:
+        assert r["all_gather_sizes"] == [2, 4], r  # backward within a pair, forward over the shards
+
+
 def _hsdp_deferred_all_reduce() -> dict:
     """Two micro-batches; the first defers the all-reduce across replicas. Equals one step on the
     whole batch, and only the last backward all-reduces."""

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import torch
 
-from _parity import TOL64, llama64, make_mlp
+from _parity import TOL64, llama64, make_mlp, mlp_batch
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world
 
@@ -148,7 +148,8 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
         fw, bw = graphs["fw"], graphs["bw"]
         out.update({"fw_graphs": len(fw), "bw_graphs": len(bw), "fw_ag": _count(fw[0], AG),
                     "fw_rs": _count(fw[0], RS), "bw_ag": _count(bw[0], AG), "bw_rs": _count(bw[0], RS),
-                    "bw_ar": _count(bw[0], AR)})
+                    "bw_ar": _count(bw[0], AR),
+                    "bw_ag_sizes": sorted(n.args[1] for n in bw[0].graph.nodes if str(n.target) == AG)})
         # What the forward keeps for backward: the backward graph's inputs. A gathered (full-size)
         # parameter among them means it was not resharded.
         full_shapes = {tuple(v.shape) for v in ea.values() if v.dim() >= 2}
@@ -552,3 +553,111 @@ def test_a_compiled_model_that_dynamo_runs_eagerly_still_trains_right(ranks):
     for r in ranks(2).run(_traced_vs_eager, "aot_eager", True, False, False, "dispatch_mode"):
         print(f"dispatch mode: {r}")
         assert r["losses_equal"] and r["params_equal"], r
+
+
+def _placed_compiled_vs_eager(kind: str, tp_shape: tuple[int, int] = (1, 1), accumulate: bool = False) -> dict:
+    """The models of tests/test_meshes.py, compiled whole (aot_eager, fullgraph) against the same
+    model eager: ``kind`` "dim1" shards 2-D weights on dim 1 (uneven, some shards empty at world
+    4); "tp" runs blocks tensor-parallel on a (dp, tp) mesh, sharded over dp (`TPSpec`).
+    ``accumulate``: each step two micro-batches, the first without gradient sync."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fully_shard import fully_shard
+    from test_meshes import _by_shape, make_placed_model, make_tp_model
+
+    _fresh_compiler()
+    rank, w = world()
+    graphs: dict = {}
+    models = []
+    for _ in range(2):
+        if kind == "dim1":
+            model, mesh = make_placed_model(), cpu_mesh()
+            for block in model[:2]:
+                fully_shard(block, mesh=mesh, shard_placement_fn=_by_shape)
+            fully_shard(model, mesh=mesh, shard_placement_fn=_by_shape)
+            split = (rank, w)
+        else:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh = init_device_mesh("cpu", tp_shape, mesh_dim_names=("dp", "tp"))
+            model = make_tp_model()
+            for block in model[1:3]:
+                parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            split = (mesh.get_local_rank(0), tp_shape[0])  # the TP ranks of a dp rank share a batch
+        models.append(model)
+    eager, compiled = models
+    compiled.compile(backend=_capturing_backend(graphs), fullgraph=True)
+    losses = []
+    for model in models:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        out = []
+        for step in range(3):
+            x, y = (t.chunk(split[1])[split[0]] for t in mlp_batch(step))
+            if accumulate:
+                model.set_requires_gradient_sync(False)
+                ((model(x[1:]) - y[1:]) ** 2).mean().backward()
+                model.set_requires_gradient_sync(True)
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses.append(out)
+    ea, eb = _full(eager), _full(compiled)
+    return {
+        "graphs": counters["stats"]["unique_graphs"],  # two with accumulation: dynamo guards on sync
+        "losses_equal": losses[0] == losses[1],
+        "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
+        "param_diff": max((ea[k] - eb[k]).abs().max().item() for k in ea),
+        "fw_ag": _count(graphs["fw"][0], AG),
+        "bw_rs": _count(graphs["bw"][0], RS),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_shard_dim_other_than_0_compiled_equals_eager_to_the_bit(ranks, world_size):
+    for r in ranks(world_size).run(_placed_compiled_vs_eager, "dim1"):
+        print(f"dim 1, world {world_size}: {r}")
+        assert r["graphs"] == 1 and r["losses_equal"] and r["params_equal"], r
+        assert (r["fw_ag"], r["bw_rs"]) == ((0, 0) if world_size == 1 else (3, 3)), r
+
+
+@pytest.mark.parametrize("world_size,shape", [(1, (1, 1)), (2, (1, 2)), (2, (2, 1)), (4, (2, 2))])
+def test_tensor_parallel_blocks_compiled_equal_eager_to_the_bit(ranks, world_size, shape):
+    """FSDP x TP (2-D mesh) under one whole-model graph: the TP collectives and ours in it."""
+    for r in ranks(world_size).run(_placed_compiled_vs_eager, "tp", shape):
+        print(f"tp {shape}: {r}")
+        assert r["graphs"] == 1 and r["losses_equal"] and r["params_equal"], r
+        assert (r["fw_ag"], r["bw_rs"]) == ((0, 0) if shape[0] == 1 else (3, 3)), r
+
+
+@pytest.mark.parametrize("kind,world_size,shape", [("dim1", 2, (1, 1)), ("tp", 4, (2, 2))])
+def test_placed_parameters_accumulate_without_sync_compiled(ranks, kind, world_size, shape):
+    """Micro-batches without sync compiled: a shard dim other than 0, and TP (the accumulated
+    gradient a DTensor on the TP mesh, as eager's), equal eager's to the bit."""
+    for r in ranks(world_size).run(_placed_compiled_vs_eager, kind, shape, True):
+        print(f"{kind} accumulating: {r}")
+        assert r["graphs"] == 2 and r["losses_equal"] and r["params_equal"], r
+
+
+@pytest.mark.parametrize("form", ["capture", "dispatch_mode"])
+def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
+    """``reshard_after_forward=2`` at world 4: the forward gathers each block in two stages
+    (across the pairs, then within one), the backward again within the pair only, from what the
+    first stage kept: no full parameter saved; equal to eager's int reshard to the bit."""
+    if form == "dispatch_mode":  # run eagerly by dynamo: the same selective recompute, not compiled
+        for r in ranks(4).run(_traced_vs_eager, "aot_eager", 2, False, False, form):
+            assert r["losses_equal"] and r["params_equal"], r
+        return
+    for r in ranks(4).run(_traced_vs_eager, "capture", 2):
+        print(f"reshard=2: {r}")
+        assert (r["fw_graphs"], r["bw_graphs"]) == (1, 1), r
+        # 2 blocks x 2 stages + the root's 1 in forward; backward: a pair's gather per block, the
+        # root's whole one (its None means True when traced)
+        assert (r["fw_ag"], r["bw_ag"], r["bw_rs"], r["saved_full_params"]) == (5, 3, 3, 0), r
+        assert r["bw_ag_sizes"] == [2, 2, 4], r  # the blocks' within a pair, the root's over all 4
+        assert r["losses_equal"] or r["loss_diff"] <= TOL64, r  # world 4: see the first test
+        assert r["params_equal"] or r["param_diff"] <= TOL64, r

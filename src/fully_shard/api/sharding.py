@@ -20,7 +20,7 @@ from .discovery import (
     shard_choice_for,
     warn_uneven_complex,
 )
-from ..layouts.mesh import check_reshard_after_forward, mesh_info, replicate_info
+from ..layouts.mesh import check_reshard_after_forward, mesh_info, post_forward_groups, replicate_info
 from ..runtime.param import FSDPParam, ParamPlace
 from ..runtime.param_group import FSDPParamGroup
 from ..features.offload import offload_chooser
@@ -124,6 +124,9 @@ def _apply(
     move_buffers(modules, info.device)
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     state.setup_root = _setup_root
+    if type(reshard_after_forward) is int:  # made now: a compiled graph cannot make process groups
+        for g in state.own:
+            g.post_forward = post_forward_groups(g.info, reshard_after_forward)
     for m in modules:
         _install(m, state, make_class)
     traced.install([(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent, state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -143,27 +144,41 @@ def replicate_info(mesh: Optional[DeviceMesh], plain: bool = False) -> MeshInfo:
 @dataclass(frozen=True)
 class PostForwardGroup:
     """``reshard_after_forward=k``: the ``k`` consecutive shard ranks this rank keeps a share with,
-    so backward all-gathers over ``group`` (e.g. one node) instead of the whole shard world."""
+    so backward all-gathers over ``group`` (e.g. one node) instead of the whole shard world.
+    ``across``: the ranks at this rank's position in every such group (the traced path gathers
+    over it first, keeping what ``group`` gathers again in backward)."""
 
     group: dist.ProcessGroup
     size: int
     rank: int
+    across: dist.ProcessGroup
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "PostForwardGroup":
         return self  # a shared process group
 
 
+_POST_FORWARD: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[int, PostForwardGroup]]"
+_POST_FORWARD = weakref.WeakKeyDictionary()
+
+
 def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:
-    """Create the ``W / size`` subgroups of ``info``'s shard group and return this rank's.
-    ``new_group`` is collective: every rank must call this in the same order (lazy init does)."""
-    ranks = dist.get_process_group_ranks(info.group)
-    mine: Optional[dist.ProcessGroup] = None
-    for start in range(0, info.world_size, size):
-        subgroup = dist.new_group(ranks[start : start + size], use_local_synchronization=False)
-        if start <= info.rank < start + size:
-            mine = subgroup
-    assert mine is not None
-    return PostForwardGroup(group=mine, size=size, rank=info.rank % size)
+    """This rank's smaller groups of ``info``'s shard group, made once per (shard group, size) by
+    ``fully_shard`` (a graph cannot make them). Only their members make each (local
+    synchronisation): shard groups that are not the whole world make theirs independently."""
+    made = _POST_FORWARD.setdefault(info.group, {})
+    if size not in made:
+        ranks = dist.get_process_group_ranks(info.group)
+        start, pos = info.rank - info.rank % size, info.rank % size
+        group = dist.new_group(ranks[start : start + size], use_local_synchronization=True)
+        across = dist.new_group(ranks[pos::size], use_local_synchronization=True)
+        made[size] = PostForwardGroup(group=group, size=size, rank=pos, across=across)
+    return made[size]
+
+
+def is_across_group(name: str) -> bool:
+    """Whether ``name`` is a live `PostForwardGroup.across` group's (the traced path saves what
+    gathers over it)."""
+    return any(pf.across.group_name == name for made in _POST_FORWARD.values() for pf in made.values())
 
 
 def check_reshard_after_forward(value: object, info: MeshInfo) -> object:

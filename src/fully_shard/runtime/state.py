@@ -28,7 +28,7 @@ from .bucket import Bucket, plan_buckets
 from .collective import ACTIVE_OBSERVERS, CollectiveObserver, Reason
 from .comm import CommContext
 from .copying import copy_fields, refuse_busy
-from ..layouts.mesh import MeshInfo, PostForwardGroup, post_forward_groups
+from ..layouts.mesh import MeshInfo, post_forward_groups
 from ..layouts.policy import MixedPrecisionPolicy
 from .registry import class_name
 from .settings import Settings
@@ -59,7 +59,6 @@ class RootContext:
         self.post_forward_order: list[FSDPState] = []
         self.phase = IterationPhase.IDLE
         self.pending_reduce: Optional[ReduceScatterResult] = None
-        self._post_forward_groups: dict[tuple[str, int], PostForwardGroup] = {}
         self.buckets: list[Bucket] = []
         self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
         self.unsynced_backwards = 0  # backwards run without gradient sync since the last synchronised one
@@ -110,13 +109,6 @@ class RootContext:
         self.buckets = plan_buckets(
             candidates, self.root.settings.bucket_bytes, lambda g: owner[id(g)].default_schedule
         )
-
-    def post_forward_group(self, info: MeshInfo, size: int) -> PostForwardGroup:
-        """One set of smaller groups per (shard group, size) under this root, made on first use."""
-        key = (info.group.group_name, size)
-        if key not in self._post_forward_groups:
-            self._post_forward_groups[key] = post_forward_groups(info, size)
-        return self._post_forward_groups[key]
 
     def handle(self, event: Event) -> None:
         step = ITERATION.get((self.phase, event))
@@ -479,7 +471,7 @@ class FSDPState:
         for g in self.own:
             g.comm = ctx.comm
             if type(self.reshard_after_forward) is int:  # not a bool
-                g.post_forward = ctx.post_forward_group(g.info, self.reshard_after_forward)
+                g.post_forward = post_forward_groups(g.info, self.reshard_after_forward)
             g.fqn = fqn
 
     def name(self) -> str:

@@ -12,7 +12,10 @@ eager reduction, op for op: the gradients cast to ``reduce_dtype`` and laid out 
 all-reduce, the post-division; each rank's slice lands in its shard's ``.grad``, the DTensor the
 optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default ``None`` here) wraps the
 gather in a selective activation-checkpoint region whose every op is recomputed: the backward
-gathers again, the gathered parameters are not saved between forward and backward.
+gathers again, the gathered parameters are not saved between forward and backward; an int ``k``
+gathers in two stages and recomputes only the second, within ``k`` ranks (`gather_group`). A
+tensor-parallel parameter's TP-local tensor is gathered and wrapped as the DTensor the TP module
+expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does.
 
 Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
 guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
@@ -33,11 +36,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..layouts.mesh import is_across_group
 from .lifecycle import IterationPhase, TrainingPhase
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
+_C10D = torch.ops._c10d_functional
 
 
 def traced_here(state: Any) -> bool:
@@ -93,8 +99,8 @@ def traced_param(module: nn.Module, name: str) -> Any:
             if gathered is None:  # made inside the graph: a dict from before it, written here, would
                 gathered = state._traced = {}  # make every gathered parameter a graph output
             if id(fp) not in gathered:
-                group = fp.group
-                reshard = state.settings.reshard_after_forward is not False
+                group, setting = fp.group, state.settings.reshard_after_forward
+                reshard = setting if type(setting) is int else setting is not False
                 for p, full in zip(group.params, gather_group(group, reshard)):
                     gathered[id(p)] = full
             return gathered[id(fp)]
@@ -153,7 +159,6 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
         (bool(s.codecs), "an all-gather codec (set_all_gather_codec)"),
         (not s.requires_all_reduce, "set_requires_all_reduce(False)"),
         (s.keep_low_precision_grads, "keep_low_precision_grads"),
-        (type(s.reshard_after_forward) is int, "reshard_after_forward=<int>"),
     ]
     for g in state.groups:
         for fp in g.params:
@@ -161,8 +166,6 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
             unsupported += [
                 (where.info.plain, "replicate(plain_params=True)"),
                 (where.offload, "CPUOffloadPolicy"),
-                (where.tp is not None, "a tensor-parallel (DTensor) parameter"),
-                (where.layout.dim != 0, "a shard dim other than 0 (shard_placement_fn)"),
                 (fp.uses_extension, "an all-gather extension (fsdp_pre_all_gather)"),
             ]
     for bad, what in unsupported:
@@ -249,37 +252,45 @@ def compile_options(collectives: Optional[str], kwargs: dict, groups: list[Any],
 # -- the collectives
 
 
-def gather_group(group: Any, reshard: bool) -> list[torch.Tensor]:
+def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
     group's reduction (or, without gradient sync, the accumulation on the unsharded parameters).
-    ``reshard``: recomputed in backward, not saved."""
+    ``reshard``: recomputed in backward, not saved; an int ``k``: gathered in two stages, across
+    the groups of ``k`` ranks then within one, the first stage's result saved and only the second
+    recomputed (backward gathers within ``k`` ranks, as eager's `PostForwardGroup`)."""
     params = group.params
-    plan = _Plan(params, group)
+    post_forward = group.post_forward if type(reshard) is int and group.info.world_size > 1 else None
+    plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
     accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
     # A synced backward adds what micro-batches without sync accumulated: taken here, once per
     # forward (outside the recomputed region), as eager's post-backward takes it.
     pending = [_take_accumulated(fp) if plan.sync and torch.is_grad_enabled() else None for fp in params]
-    n = len(params)
 
-    def gather(*inputs: Any) -> Any:  # to_local's backward makes each local gradient a DTensor shard
-        return _GatherGroup.apply(plan, *(p.to_local() for p in inputs[:n]), *inputs[n:])
+    def gather(*inputs: Any) -> list[torch.Tensor]:
+        # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
+        # DTensor on the TP mesh, as eager's unsharded gradient)
+        local = [_local(t) for t in inputs]
+        fulls = _GatherGroup.apply(plan, *local)
+        return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
     if not reshard:
-        return list(gather(*shards, *accumulators, *pending))
+        return gather(*shards, *accumulators, *pending)
     from torch.utils.checkpoint import checkpoint
 
-    return list(
-        checkpoint(
-            gather,
-            *shards,
-            *accumulators,
-            *pending,
-            use_reentrant=False,
-            context_fn=_recompute_everything,
-            preserve_rng_state=False,
-        )
+    return checkpoint(
+        gather,
+        *shards,
+        *accumulators,
+        *pending,
+        use_reentrant=False,
+        context_fn=_recompute,
+        preserve_rng_state=False,
     )
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _accumulator(fp: Any) -> torch.nn.Parameter:
@@ -302,7 +313,7 @@ def _take_accumulated(fp: Any) -> Optional[torch.Tensor]:
         return None
     grad = unsharded.grad
     unsharded.grad = None
-    return grad
+    return fp.where.tp.local_grad(grad) if fp.where.tp is not None else grad  # as eager's take
 
 
 def prepare_no_sync(state: Any) -> None:
@@ -311,27 +322,31 @@ def prepare_no_sync(state: Any) -> None:
     for group in state.own:
         for fp in group.params:
             where = fp.where
-            traceable = not (
-                fp.uses_extension or where.tp or where.offload or where.info.plain or where.layout.dim
-            )
+            traceable = not (fp.uses_extension or where.offload or where.info.plain)
             if fp.requires_grad and traceable:
                 fp.ensure_unsharded_param()
 
 
-def _recompute_everything() -> Any:
+def _recompute() -> Any:
+    """Every op of the gather recomputed in backward, except, with a `PostForwardGroup`, the
+    first stage's all-gather (over its ``across`` group; its wait is a no-op when recomputed)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(
-        lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE
-    )
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op is _C10D.all_gather_into_tensor.default and is_across_group(args[2]):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 class _Plan:
     """What one traced gather needs, read from the group's parameters and settings."""
 
-    def __init__(self, params: list[Any], group: Any) -> None:
+    def __init__(self, params: list[Any], group: Any, post_forward: Any) -> None:
         info, s = group.info, group.settings
         self.layouts = [fp.where.layout for fp in params]
+        self.post_forward = post_forward
         self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
         self.reduce_dtype = params[0].dtypes.reduce
         self.world = info.world_size
@@ -362,20 +377,30 @@ class _GatherGroup(torch.autograd.Function):
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
             return tuple(local.to(plan.param_dtype) for local in shards)  # (torch 2.11 refuses those)
         flat = []
-        for local, layout in zip(shards, plan.layouts):
-            local = local.to(plan.param_dtype)
+        for local, layout in zip(shards, plan.layouts):  # the sharded dim in front (`moved_shape`)
+            local = local.to(plan.param_dtype).movedim(layout.dim, 0)
             missing = layout.rows - layout.local_rows
             if missing:
-                local = torch.cat([local, local.new_zeros((missing, *layout.shape[1:]))])
+                local = torch.cat([local, local.new_zeros((missing, *layout.moved_shape[1:]))])
             flat.append(local.reshape(-1))
         flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
-        out = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group))
-        per_rank = out.view(plan.world, -1)
+        pf = plan.post_forward
+        if pf is None:
+            per_rank = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(
+                plan.world, -1
+            )
+        else:  # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
+            kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
+            out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
+            per_rank = out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
         fulls, offset = [], 0
         for layout in plan.layouts:
             numel = layout.shard_numel
-            rows = per_rank[:, offset : offset + numel].reshape(plan.world * layout.rows, *layout.shape[1:])
-            fulls.append(rows[: layout.shape[0]].clone())
+            rows = per_rank[:, offset : offset + numel].reshape(
+                plan.world * layout.rows, *layout.moved_shape[1:]
+            )
+            full = rows[: layout.moved_shape[0]]
+            fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
             offset += numel
         return tuple(fulls)
 
@@ -396,7 +421,9 @@ class _GatherGroup(torch.autograd.Function):
         dtype = plan.reduce_dtype
         device = next(g.device for g in grads if g is not None)
         inputs = [
-            g if g is not None else torch.zeros(layout.shape, dtype=dtype, device=device)
+            g.movedim(layout.dim, 0)
+            if g is not None
+            else torch.zeros(layout.moved_shape, dtype=dtype, device=device)
             for g, layout in zip(grads, plan.layouts)
         ]
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
@@ -414,9 +441,12 @@ class _GatherGroup(torch.autograd.Function):
         result: list[Optional[torch.Tensor]] = [None]  # the plan
         offset = 0
         for grad, layout, trainable in zip(grads, plan.layouts, plan.requires_grad):
-            piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.shape[1:])
+            piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
+            piece = piece[: layout.local_rows]
             offset += layout.shard_numel
+            if layout.dim:
+                piece = piece.movedim(0, layout.dim).contiguous()
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
-            result.append(piece[: layout.local_rows] if trainable and grad is not None else None)
+            result.append(piece if trainable and grad is not None else None)
         return (*result, *([None] * (2 * n)))
