@@ -10,6 +10,8 @@ all-gathers and fp32 reduce-scatters as in the planner's tables:
 * bytes one rank's all-gathers receive per step (each group once; forward and backward regathers
   double it) against the unpadded minimum (the parameters' own bytes): the ratio is the cost;
 * the same for the reduce-scatters (a rank sends the padded unsharded gradients);
+* the last column: the same all-gathers with ``fully_shard.flat_where_padded(W)`` as the
+  ``shard_placement_fn`` (`FlatShard` for each matrix whose rows do not divide over the ranks);
 * the same ratio is what rank 0 stores of the sharded state (parameters, gradients, optimizer
   state: it holds ``rows`` real rows of each parameter, later ranks fewer) against numel / W, and
   what the padded unsharded buffers (the all-gather output, the reduce-scatter input) hold
@@ -52,17 +54,25 @@ def padded_elements(shape: torch.Size, world: int) -> int:
     return ShardLayout(shape, 0, world, 0).shard_numel * world
 
 
+def flat_elements(p: torch.Tensor, world: int) -> int:
+    """Under ``fully_shard.flat_where_padded(world)``: `FlatShard` (the parameter flattened,
+    ``ceil(numel / W)`` elements per rank) where dim 0 pads, the dim-0 layout elsewhere."""
+    if p.dim() > 1 and p.shape[0] % world:
+        return ShardLayout(torch.Size([p.numel()]), 0, world, 0).shard_numel * world
+    return padded_elements(p.shape, world)
+
+
 def measure(cfg: LlamaConfig, world: int) -> dict:
     with torch.device("meta"):
         model = Llama(cfg)
-    numel = padded = 0
+    numel = padded = flat = 0
     worst = (0.0, "")
     for group in groups_of(model):
         for p in group:
             n, pad = p.numel(), padded_elements(p.shape, world)
-            numel, padded = numel + n, padded + pad
+            numel, padded, flat = numel + n, padded + pad, flat + flat_elements(p, world)
             worst = max(worst, (pad / n, f"{tuple(p.shape)}"))
-    return {"numel": numel, "padded": padded, "worst": worst}
+    return {"numel": numel, "padded": padded, "flat": flat, "worst": worst}
 
 
 def main() -> None:
@@ -70,8 +80,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     lines = ["| model | ranks | all-gather GiB per pass (bf16), padded / minimum | reduce-scatter GiB (fp32), padded / minimum | "
-             "ratio | unsharded buffers' padding | worst parameter (ratio) |",
-             "|---|---|---|---|---|---|---|"]
+             "ratio | unsharded buffers' padding | worst parameter (ratio) | FlatShard where padded: all-gather GiB, "
+             "ratio |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, cfg in MODELS.items():
         for world in WORLDS:
             r = measure(cfg, world)
@@ -79,7 +90,8 @@ def main() -> None:
             ag, ag_min = 2 * r["padded"] / 2**30, 2 * r["numel"] / 2**30
             rs, rs_min = 4 * r["padded"] / 2**30, 4 * r["numel"] / 2**30
             lines.append(f"| {name} | {world} | {ag:.2f} / {ag_min:.2f} | {rs:.2f} / {rs_min:.2f} | {ratio:.3f}x | "
-                         f"+{(ratio - 1) * 100:.0f}% | {r['worst'][1]} ({r['worst'][0]:.2f}x) |")
+                         f"+{(ratio - 1) * 100:.0f}% | {r['worst'][1]} ({r['worst'][0]:.2f}x) | "
+                         f"{2 * r['flat'] / 2**30:.2f}, {r['flat'] / r['numel']:.4f}x |")
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -36,3 +36,14 @@ def tp_shard(model: Llama, mesh) -> None:
         layer.attention.n_heads //= mesh["tp"].size()  # each tp rank computes its share of the heads
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+
+
+def flat_shard(model: Llama, mesh) -> None:
+    """Each block, then the root, with `FlatShard` where dim 0 would pad over the shard ranks
+    (``fully_shard.flat_where_padded``): for ``--shard-fn examples/plan_models.py:flat_shard``."""
+    from fully_shard import fully_shard, flat_where_padded
+
+    choose = flat_where_padded(mesh.size(-1))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, shard_placement_fn=choose)
+    fully_shard(model, mesh=mesh, shard_placement_fn=choose)

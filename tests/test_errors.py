@@ -116,7 +116,7 @@ def test_three_dimensional_mesh_refused_with_fix():
 def test_bad_shard_placement_fn_refused_before_anything_changes():
     with fake_world(2) as mesh:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        with pytest.raises(ValueError, match=r"returned Replicate\(\) for parameter '0.weight'.*Shard\(dim\) or None"):
+        with pytest.raises(ValueError, match=r"returned Replicate\(\) for parameter '0.weight'.*Shard\(dim\), None .*FlatShard\(\)"):
             fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Replicate())
         assert _untouched(model)
         with pytest.raises(ValueError, match=r"Shard\(2\) for parameter '0.weight' of shape \(4, 4\)"):

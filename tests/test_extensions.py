@@ -234,12 +234,16 @@ def test_extension_errors_name_the_parameter_and_the_fix():
         ("arity", TypeError, r"has 3 parameters; fully_shard calls it as fsdp_pre_all_gather\(mesh\)"),
         ("rows", ValueError, r"each input's dim 0 must be the padded row count 7"),
         ("dim1", ValueError, r"sharded on dim 1; extensions gather dim-0 shards"),
+        ("flat", ValueError, r"sharded flat \(FlatShard\); extensions gather dim-0 shards"),
     ]
     for case, error, match in cases:
         # Rank 1 of 2 holds 6 of the 13 rows of model[0][0].weight: a rank with padding.
         with fake_world(2, rank=1) as mesh:
             model = make_mlp()
-            placement = (lambda p: torch.distributed.tensor.Shard(p.ndim - 1)) if case == "dim1" else None
+            from fully_shard import FlatShard
+
+            placement = {"dim1": lambda p: torch.distributed.tensor.Shard(p.ndim - 1),
+                         "flat": lambda p: FlatShard()}.get(case)
             fully_shard(model, mesh=mesh, shard_placement_fn=placement)
             local = model[0][0].weight._local_tensor
             if case == "pre_only":

@@ -661,3 +661,27 @@ def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
         assert r["bw_ag_sizes"] == [2, 2, 4], r  # the blocks' within a pair, the root's over all 4
         assert r["losses_equal"] or r["loss_diff"] <= TOL64, r  # world 4: see the first test
         assert r["params_equal"] or r["param_diff"] <= TOL64, r
+
+
+def _flat_compiled_vs_eager() -> dict:
+    from test_flat import _shard, _train
+
+    _fresh_compiler()
+    graphs: dict = {}
+    eager, compiled = _shard(make_mlp(), True), _shard(make_mlp(), True)
+    compiled.compile(backend=_capturing_backend(graphs), fullgraph=True)
+    a, b = _train(eager), _train(compiled)
+    ea, eb = eager.state_dict(), compiled.state_dict()
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "losses_equal": a == b,
+            "params_equal": all(torch.equal(ea[k].to_local(), eb[k].to_local()) for k in ea),
+            "fw_ag": _count(graphs["fw"][0], AG), "bw_rs": _count(graphs["bw"][0], RS)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_flat_sharded_parameters_compiled_equal_eager_to_the_bit(ranks, world_size):
+    for r in ranks(world_size).run(_flat_compiled_vs_eager):
+        print(f"flat, world {world_size}: {r}")
+        assert r["graphs"] == 1 and r["losses_equal"] and r["params_equal"], r
+        assert (r["fw_ag"], r["bw_rs"]) == ((0, 0) if world_size == 1 else (4, 4)), r

@@ -8,7 +8,7 @@ each subpackage's docstring says what it owns): ``layouts/`` (policies, shard ar
 
 from . import debug, quant
 from .api.clip import clip_grad_norm_
-from .api.discovery import ShardPlacement
+from .api.discovery import FlatShard, ShardPlacement, flat_where_padded
 from .api.module import (
     FSDPModule,
     ReplicateModule,
@@ -39,6 +39,8 @@ __all__ = [
     "OffloadPlan",
     "OffloadPolicy",
     "ReplicateModule",
+    "FlatShard",
+    "flat_where_padded",
     "ShardPlacement",
     "UnshardHandle",
     "clip_grad_norm_",

@@ -6,7 +6,7 @@ Everything here only reads the model, so a call that fails a check leaves it unt
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import warnings
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..layouts.layout import FLAT
 from ..layouts.mesh import MeshInfo
 from ..layouts.tp import joint_mesh
 from ..runtime.param import FSDPParam, ParamPlace
@@ -84,9 +85,11 @@ def warn_uneven_complex(
 ) -> None:
     """Warn about trainable complex parameters sharded unevenly: Adam / AdamW would never update them."""
     for (param, places), dim, info in zip(own, shard_dims, infos):
-        if param.is_complex() and param.requires_grad and param.dim() and param.shape[dim] % info.world_size:
+        size = param.numel() if dim == FLAT else param.shape[dim] if param.dim() else 0
+        if param.is_complex() and param.requires_grad and size % info.world_size:
             warnings.warn(
-                f"parameter '{places[0].fqn}' is complex with dim {dim} of size {param.shape[dim]}, which "
+                f"parameter '{places[0].fqn}' is complex with {'numel' if dim == FLAT else f'dim {dim}'} "
+                f"of size {size}, which "
                 f"does not divide evenly over {info.world_size} ranks. torch.optim's Adam/AdamW update "
                 "complex parameters through view_as_real, which on an unevenly sharded DTensor returns a "
                 "copy, so they would never update it (SGD is fine). Fix: pad that dim to a multiple of the "
@@ -191,13 +194,40 @@ def move_buffers(modules: list[nn.Module], device: torch.device) -> None:
 
 
 @dataclass(frozen=True)
+class FlatShard:
+    """What ``shard_placement_fn`` may return to shard a parameter **flattened**: rank ``r`` holds
+    elements ``[r * c, (r + 1) * c)`` of ``param.flatten()``, ``c = ceil(numel / W)``, so at most
+    ``W - 1`` elements of padding instead of up to a row per rank (a 2,048-row weight at 4,096
+    ranks: 1.0x the bytes instead of 2.0x). Between steps the module, the optimizer and
+    ``model.parameters()`` see a 1-D DTensor of ``numel`` elements (element-wise optimizers
+    such as AdamW step the same; shape-aware ones see a vector; initialise after meta-device
+    init inside ``unsharded(model, writeback=True)``); the state dict shows the
+    parameter in its own shape, sharded on dim 0, interchangeable with the default layout.
+    docs/planning.md says when it pays."""
+
+
+def flat_where_padded(world_size: int) -> Callable[[nn.Parameter], Optional[FlatShard]]:
+    """A ``shard_placement_fn``: `FlatShard` for each parameter of 2+ dims whose rows do not divide
+    over ``world_size`` shard ranks (where dim 0 pads), the default layout for the rest."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"flat_where_padded(world_size) takes the shard ranks (an int >= 1), got {world_size!r}."
+        )
+
+    def choose(param: nn.Parameter) -> Optional[FlatShard]:
+        return FlatShard() if param.dim() > 1 and param.shape[0] % world_size else None
+
+    return choose
+
+
+@dataclass(frozen=True)
 class ShardPlacement:
     """What ``shard_placement_fn`` may return to put a parameter on a mesh of its own (e.g. MoE
-    experts on an expert-parallel mesh): ``placement`` (``Shard(d)``; ``None``: dim 0) and the
+    experts on an expert-parallel mesh): ``placement`` (``Shard(d)``, `FlatShard`; ``None``: dim 0) and the
     ``mesh`` (1-D, or 2-D for HSDP). A call's parameters on one mesh communicate together.
     PyTorch's ``ShardPlacementResult`` is read too."""
 
-    placement: Optional[Shard]
+    placement: Optional[Union[Shard, FlatShard]]
     mesh: Any
 
 
@@ -221,10 +251,19 @@ def shard_choice_for(
         )
     if choice is None:
         return 0, mesh
+    if isinstance(choice, FlatShard):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"shard_placement_fn returned FlatShard() for parameter '{fqn}', a tensor-parallel DTensor "
+                f"(placements {tuple(param.placements)}); a flat range cannot be laid over its TP shards. "
+                "Fix: return None or Shard(dim) for tensor-parallel parameters."
+            )
+        return FLAT, mesh
     if type(choice) is not Shard:
         raise ValueError(
             f"shard_placement_fn returned {choice!r} for parameter '{fqn}'; it must return Shard(dim), None "
-            "(None shards on dim 0), or ShardPlacement(Shard(dim) or None, mesh=...) for a mesh of its own."
+            "(None shards on dim 0), FlatShard(), or ShardPlacement(one of those, mesh=...) for a mesh of "
+            "its own."
         )
     ndim = param.dim()
     dim = choice.dim + ndim if choice.dim < 0 else choice.dim

@@ -533,13 +533,15 @@ def _check_codec_args(codec: Any, params: Any) -> None:
 
 def _codec_choice(module: FSDPModule, params: Any, recurse: bool) -> list[tuple[Any, str, FSDPState]]:
     """``(FSDPParam, name relative to module, state)`` for each parameter ``params`` chooses."""
-    choose = params if params is not None else (lambda name, p: p.is_floating_point() and p.dim() >= 2)
     prefix = {id(p): n for n, p in module.named_parameters()}  # type: ignore[attr-defined]
     chosen: list[tuple[Any, str, FSDPState]] = []
     for state in module._fsdp_states(recurse):
         for fp in (p for g in state.own for p in g.params):
             name = prefix.get(id(fp.sharded_param), fp.fqn)
-            if choose(name, fp.sharded_param):
+            if params is None:  # the parameter's own dims (a FlatShard one is 1-D between steps)
+                if fp.sharded_param.is_floating_point() and len(fp.shape) >= 2:
+                    chosen.append((fp, name, state))
+            elif params(name, fp.sharded_param):
                 chosen.append((fp, name, state))
     if not chosen:
         raise ValueError(
@@ -560,7 +562,8 @@ def _refuse_codec_misfits(chosen: list[tuple[str, Any]]) -> None:
     if bad:
         name, fp = bad[0]
         why = (
-            f"is sharded on dim {fp.shard_dim} (codecs gather dim-0 shards)"
+            f"is sharded {'flat' if fp.shard_dim < 0 else f'on dim {fp.shard_dim}'} "
+            "(codecs gather dim-0 shards)"
             if fp.shard_dim
             else f"has dtype {fp.dtype}"
         )

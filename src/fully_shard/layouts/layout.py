@@ -14,6 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 
+FLAT = -1  # a shard dim: the parameter flattened, one contiguous range per rank (`FlatShard`)
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, out = 1, []
+    for size in reversed(shape):
+        out.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(out))
+
+
 def rows_per_rank(n: int, world: int) -> int:
     return -(-n // world)
 

@@ -388,12 +388,7 @@ def from_trace(t: Any, step: Optional[int] = None) -> Plan:
 
 def _padded_shard_bytes(p: Any) -> int:
     """This rank's padded shard of an `FSDPParam`, in bytes (what an all-gather sends)."""
-    layout = p.layout
-    return (
-        layout.rows
-        * (layout.shape.numel() // max(layout.shape[p.shard_dim], 1))
-        * p.sharded_param.element_size()
-    )
+    return p.layout.shard_numel * p.sharded_param.element_size()
 
 
 def call(model: nn.Module, inputs: Any) -> Any:

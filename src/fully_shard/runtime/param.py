@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .copying import copy_fields, refuse_busy
 from .extension import EXTENSION_METHODS, ExtensionState, hooks_of
 from .host import allocating, host_device, to_device
-from ..layouts.layout import ShardLayout
+from ..layouts.layout import FLAT, ShardLayout, contiguous_stride as _contiguous_stride
 from .lifecycle import ShardedState
 from ..layouts.mesh import MeshInfo, dtensor_in_place
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -75,14 +75,24 @@ class Where:
     offload: bool  # shard and .grad on the host; on a CPU mesh the copies are no-ops
     pin_memory: bool
     shard_device: torch.device
+    view: Optional[torch.Size] = None  # `FLAT`: the parameter's shape (``layout`` shards it flattened)
 
     @staticmethod
     def of(
-        info: MeshInfo, layout: ShardLayout, tp: Optional[TPSpec], offload: Optional[CPUOffloadPolicy]
+        info: MeshInfo,
+        layout: ShardLayout,
+        tp: Optional[TPSpec],
+        offload: Optional[CPUOffloadPolicy],
+        view: Optional[torch.Size] = None,
     ) -> "Where":
         pin = offload is not None and offload.pin_memory and info.device.type not in ("cpu", "meta")
         device = host_device(info.device) if offload is not None else info.device
-        return Where(info, layout, tp, offload is not None, pin, device)
+        return Where(info, layout, tp, offload is not None, pin, device, view)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The (TP-local) parameter's shape: what the module computes with."""
+        return self.view if self.view is not None else self.layout.shape
 
 
 @dataclass(frozen=True)
@@ -126,8 +136,11 @@ class FSDPParam:
         data, tp = param.detach(), None
         if isinstance(data, DTensor):
             tp, data = TPSpec.of(data), data.to_local()
+        view = None
+        if shard_dim == FLAT:  # one contiguous range of the flattened parameter per rank
+            view, data, shard_dim = data.shape, data.reshape(-1), 0
         layout = ShardLayout(data.shape, shard_dim, info.world_size, info.rank)
-        self.where = Where.of(info, layout, tp, offload)
+        self.where = Where.of(info, layout, tp, offload, view)
         self.dtypes = Dtypes.derive(param.dtype, mp, None)
         self.padded_shard: Optional[torch.Tensor] = None  # dim 0 only; other dims pad at copy-in
         self.sharded_param = self._make_sharded_param(self._make_local_shard(data))
@@ -214,8 +227,8 @@ class FSDPParam:
 
     # For readers outside this class; inside it, read `where` and `dtypes`.
     fqn = property(lambda self: self.places[0].fqn, doc="Its name relative to the fully_shard call's module.")
-    shape = property(lambda self: self.where.layout.shape)
-    shard_dim = property(lambda self: self.where.layout.dim)
+    shape = property(lambda self: self.where.shape)
+    shard_dim = property(lambda self: self.where.layout.dim if self.where.view is None else FLAT)
     info = property(lambda self: self.where.info)
     layout = property(lambda self: self.where.layout)
     tp = property(lambda self: self.where.tp)
@@ -252,7 +265,9 @@ class FSDPParam:
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a tensor of the unsharded shape (a view)."""
-        return full.narrow(self.where.layout.dim, self.where.layout.start, self.where.layout.local_rows)
+        layout = self.where.layout
+        full = full.reshape(layout.shape) if self.where.view is not None else full
+        return full.narrow(layout.dim, layout.start, layout.local_rows)
 
     def _empty_shard(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """New shard storage; a tensor subclass (an extension's weights) makes its own, so stays one."""
@@ -313,10 +328,11 @@ class FSDPParam:
         """Before each all-gather: whether it goes through an extension (`extension.hooks_of`).
         Another extension than the one that built the unsharded parameter drops it."""
         hooks = hooks_of(self.local_shard, self.codec, self.path)
-        if hooks is not None and self.where.layout.dim != 0:
+        if hooks is not None and self.shard_dim != 0:
+            where = "flat (FlatShard)" if self.shard_dim == FLAT else f"on dim {self.shard_dim}"
             raise ValueError(
                 f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) "
-                f"and is sharded on dim {self.where.layout.dim}; extensions gather dim-0 shards. Fix: "
+                f"and is sharded {where}; extensions gather dim-0 shards. Fix: "
                 "return Shard(0) (or None) for it from shard_placement_fn."
             )
         source = hooks.source if hooks is not None else None
@@ -378,7 +394,7 @@ class FSDPParam:
         # A view for the full all-gather; a copy only when gathering from reshard_after_forward=int.
         rows, (n, *rest) = layout.rows, layout.moved_shape
         chunks = gathered.view(outer, world // outer, rows, *rest).flatten(0, 1)
-        target = self._unsharded_view().movedim(layout.dim, 0)
+        target = self._gather_view().movedim(layout.dim, 0)
         full = layout.full_chunks
         if full:
             target[: full * rows].view(full, rows, *rest).copy_(chunks[:full])
@@ -393,11 +409,16 @@ class FSDPParam:
         if self.where.layout.dim == 0:
             rows = self.padded_unsharded.view(self.where.info.world_size, -1)[first : first + count]
             return rows.reshape(-1).view(torch.uint8)
-        moved = self._unsharded_view().movedim(self.where.layout.dim, 0)
+        moved = self._gather_view().movedim(self.where.layout.dim, 0)
         return _padded_rows(moved, self.where.layout.rows, first, count).view(-1).view(torch.uint8)
 
     def _unsharded_view(self) -> torch.Tensor:
-        shape = self.where.layout.shape
+        """The unsharded parameter's shape over the gathered storage."""
+        return self._gather_view(self.where.shape)
+
+    def _gather_view(self, shape: Optional[torch.Size] = None) -> torch.Tensor:
+        """The gathered storage in the layout's shape (flattened for `FLAT`), or in ``shape``."""
+        shape = self.where.layout.shape if shape is None else shape
         tensor = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
         return tensor.set_(self.padded_unsharded.untyped_storage(), 0, shape, _contiguous_stride(shape))
 
@@ -466,11 +487,13 @@ class FSDPParam:
         self.unsharded_param.grad = None
         if self.where.tp is not None:
             grad = self.where.tp.local_grad(grad)
-        shape = self.where.layout.shape
+        shape = self.where.shape
         if grad.shape != shape:
             raise RuntimeError(
                 f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(shape)}"
             )
+        if self.where.view is not None:
+            return grad.reshape(-1)
         return grad.movedim(self.where.layout.dim, 0) if self.where.layout.dim else grad.contiguous()
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
@@ -622,12 +645,14 @@ class FSDPParam:
                 f"a DTensor of global shape {tuple(new.shape)} with placements {tuple(new.placements)} on "
                 f"mesh {new.device_mesh}"
             )
-        elif isinstance(new, torch.Tensor) and self.where.tp is None and new.shape == shape:
+        elif (
+            isinstance(new, torch.Tensor) and self.where.tp is None and new.shape in (shape, self.where.shape)
+        ):
             # A plain full tensor: keep this rank's chunk, as fully_shard itself does.
             self._set_dtype(new.dtype)
             self._drop_unsharded()
             self.requires_grad = new.requires_grad
-            return self._make_sharded_param(self._make_local_shard(new.detach()))
+            return self._make_sharded_param(self._make_local_shard(new.detach().reshape(shape)))
         else:
             got = (
                 "nothing (it was deleted)"
@@ -754,12 +779,3 @@ def _plain_param(local: torch.Tensor, requires_grad: bool, keep: bool = False) -
     param = local if keep else nn.Parameter(local, requires_grad=requires_grad)
     param._local_tensor = param.detach()  # type: ignore[attr-defined]
     return param
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride: list[int] = []
-    acc = 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))

@@ -30,7 +30,8 @@ from .comm import CommContext
 from .copying import copy_fields, refuse_busy
 from ..layouts.mesh import MeshInfo, post_forward_groups
 from ..layouts.policy import MixedPrecisionPolicy
-from .registry import class_name
+from ..layouts import flat
+from .registry import class_name, manager_of, unsharded_owner
 from .settings import Settings
 from .lifecycle import Entry, Event, IterationPhase, ModuleEvent, Step, TrainingPhase, step_for
 from .param_group import FSDPParamGroup, ReduceScatterResult
@@ -339,13 +340,21 @@ def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
     return found
 
 
+def _flat_param(param: nn.Parameter) -> Optional[Any]:
+    """The `FSDPParam` of a flat-sharded parameter of 2+ dims (1-D ones are laid out as dim 0)."""
+    fp = manager_of(param) or unsharded_owner(param)
+    return fp if fp is not None and fp.where.view is not None and len(fp.where.view) > 1 else None
+
+
 def _refuse_wrong_shapes(module: nn.Module, state_dict: dict, prefix: str) -> None:
     """PyTorch loads the keys that fit and then raises for the rest; refuse before any is loaded."""
     wrong = []
     for name, t in (*module.named_parameters(), *module.named_buffers()):
         got = state_dict.get(prefix + name)
-        if isinstance(got, torch.Tensor) and got.shape != t.shape:
-            wrong.append(f"'{prefix + name}' is {tuple(got.shape)}, the model's {tuple(t.shape)}")
+        fp = _flat_param(t) if isinstance(t, nn.Parameter) else None
+        shape = t.shape if fp is None or got is None or got.dim() == 1 else fp.shape  # flat: its own
+        if isinstance(got, torch.Tensor) and got.shape != shape:
+            wrong.append(f"'{prefix + name}' is {tuple(got.shape)}, the model's {tuple(shape)}")
     if wrong:
         raise RuntimeError(
             f"load_state_dict into {class_name(module)}: shapes differ ({'; '.join(wrong)}; global shapes, "
@@ -417,15 +426,24 @@ class FSDPState:
         for g in self.groups:
             g.show_form(unsharded=False)
 
-    def show_unsharded(self, module: nn.Module, *unused: Any) -> None:
-        """After state_dict: back to the form the group is in."""
+    def show_unsharded(self, module: nn.Module, *args: Any) -> None:
+        """After state_dict (``args``: the state dict, its prefix): flat-sharded parameters shown
+        in the default layout (`layouts.flat`); back to the form the group is in."""
+        if args:
+            flat.convert_entries(module, args[0], args[1], _flat_param, saving=True)
         for g in self.groups:
             g.show_form(unsharded=True)
 
     def before_load(self, module: nn.Module, state_dict: dict, prefix: str, *unused: Any) -> None:
-        """Before load_state_dict: refuse wrong shapes while nothing is loaded; show the shards."""
-        _refuse_wrong_shapes(module, state_dict, prefix)
+        """Before load_state_dict: show the shards, take flat-sharded parameters' entries to their
+        layout, and refuse wrong shapes while nothing is loaded."""
         self.show_sharded(module)
+        try:
+            flat.convert_entries(module, state_dict, prefix, _flat_param, saving=False)
+            _refuse_wrong_shapes(module, state_dict, prefix)
+        except BaseException:
+            self.show_unsharded(module)
+            raise
 
     def after_load(self, module: nn.Module, *unused: Any) -> None:
         """After load_state_dict: back to the group's form; the loaded shards are taken over (and

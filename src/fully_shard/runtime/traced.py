@@ -346,6 +346,7 @@ class _Plan:
     def __init__(self, params: list[Any], group: Any, post_forward: Any) -> None:
         info, s = group.info, group.settings
         self.layouts = [fp.where.layout for fp in params]
+        self.views = [fp.where.view for fp in params]  # `FLAT`: the parameter's shape
         self.post_forward = post_forward
         self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
         self.reduce_dtype = params[0].dtypes.reduce
@@ -375,7 +376,12 @@ class _GatherGroup(torch.autograd.Function):
         ctx.save_for_backward(*(p for p in pending if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
-            return tuple(local.to(plan.param_dtype) for local in shards)  # (torch 2.11 refuses those)
+            return tuple(  # (torch 2.11 refuses those)
+                local.to(plan.param_dtype)
+                if view is None
+                else local.to(plan.param_dtype).reshape(view).clone()
+                for local, view in zip(shards, plan.views)
+            )
         flat = []
         for local, layout in zip(shards, plan.layouts):  # the sharded dim in front (`moved_shape`)
             local = local.to(plan.param_dtype).movedim(layout.dim, 0)
@@ -394,12 +400,14 @@ class _GatherGroup(torch.autograd.Function):
             out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
             per_rank = out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
         fulls, offset = [], 0
-        for layout in plan.layouts:
+        for layout, view in zip(plan.layouts, plan.views):
             numel = layout.shard_numel
             rows = per_rank[:, offset : offset + numel].reshape(
                 plan.world * layout.rows, *layout.moved_shape[1:]
             )
             full = rows[: layout.moved_shape[0]]
+            if view is not None:
+                full = full.view(view)
             fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
             offset += numel
         return tuple(fulls)
@@ -421,10 +429,12 @@ class _GatherGroup(torch.autograd.Function):
         dtype = plan.reduce_dtype
         device = next(g.device for g in grads if g is not None)
         inputs = [
-            g.movedim(layout.dim, 0)
-            if g is not None
-            else torch.zeros(layout.moved_shape, dtype=dtype, device=device)
-            for g, layout in zip(grads, plan.layouts)
+            torch.zeros(layout.moved_shape, dtype=dtype, device=device)
+            if g is None
+            else g.reshape(-1)
+            if view is not None
+            else g.movedim(layout.dim, 0)
+            for g, layout, view in zip(grads, plan.layouts, plan.views)
         ]
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
         rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)

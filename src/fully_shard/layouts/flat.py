@@ -1,0 +1,65 @@
+"""`FlatShard` parameters in state dicts: shown in their own shape, sharded on dim 0.
+
+A flat-sharded parameter is a 1-D DTensor of ``numel`` elements between steps. Its state dict
+entry is what the default layout would hold (the parameter's shape, ``Shard(0)``), so checkpoints,
+``torch.distributed.checkpoint`` and full state dicts interchange with the default layout and
+across world sizes. Each conversion gathers the whole parameter once (only at save and load).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .layout import ShardLayout, contiguous_stride
+from .mesh import MeshInfo
+
+
+def _dtensor(local: torch.Tensor, info: MeshInfo, shape: torch.Size) -> DTensor:
+    return DTensor.from_local(
+        local, info.mesh, info.placements(0), run_check=False, shape=shape, stride=contiguous_stride(shape)
+    )
+
+
+def to_rows(flat: DTensor, shape: torch.Size, info: MeshInfo) -> DTensor:
+    """A flat shard as the default layout's: ``shape``, this rank's dim-0 chunk."""
+    full = flat.full_tensor().view(shape)
+    layout = ShardLayout(shape, 0, info.world_size, info.rank)
+    return _dtensor(full.narrow(0, layout.start, layout.local_rows).clone(), info, shape)
+
+
+def to_flat(value: torch.Tensor, shape: torch.Size, info: MeshInfo) -> torch.Tensor:
+    """A state dict's entry of ``shape`` (a DTensor in any layout, or the full tensor) as this
+    rank's flat shard; anything else is returned as it is (the shape check names it)."""
+    if tuple(value.shape) != tuple(shape):
+        return value
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    n = full.numel()
+    layout = ShardLayout(torch.Size([n]), 0, info.world_size, info.rank)
+    local = full.reshape(-1).narrow(0, layout.start, layout.local_rows).clone()
+    return _dtensor(local, info, torch.Size([n]))
+
+
+def convert_entries(
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    flat_of: Callable[[nn.Parameter], Optional[Any]],
+    saving: bool,
+) -> None:
+    """Every flat-sharded parameter under ``module`` whose entry is in the other form: to the
+    default layout when ``saving`` (after ``state_dict``), to the flat shard before loading.
+    ``flat_of(param)``: its `FSDPParam` when flat-sharded (of more than one dim), else None."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        fp = flat_of(param)
+        key = prefix + name
+        if fp is None or key not in state_dict or not isinstance(state_dict[key], torch.Tensor):
+            continue
+        value, shape, info = state_dict[key], fp.shape, fp.info
+        if saving and isinstance(value, DTensor) and value.dim() == 1:
+            state_dict[key] = to_rows(value, shape, info)
+        elif not saving and tuple(value.shape) == tuple(shape):
+            state_dict[key] = to_flat(value, shape, info)

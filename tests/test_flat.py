@@ -1,0 +1,257 @@
+"""Issue #28 item 3: ``FlatShard`` (one contiguous range of the flattened parameter per rank, no
+row padding). Trains equal to the default layout (to the bit where a sum has at most 2 terms) and
+to a single-process float64 reference; all-gathers move the unpadded bytes; state dicts and DCP
+checkpoints interchange with the default layout, across world sizes; bad input is refused."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from _parity import STEPS, TOL64, make_mlp, mlp_batch
+from rank_utils import cpu_mesh, global_mean, world
+
+
+def _flat(param):
+    from fully_shard import FlatShard
+
+    return FlatShard()
+
+
+def _shard(model, flat: bool, mesh=None, reshard=True):
+    from fully_shard import fully_shard
+
+    fn = _flat if flat else None
+    for block in model[:3]:
+        fully_shard(block, mesh=mesh or cpu_mesh(), reshard_after_forward=reshard, shard_placement_fn=fn)
+    fully_shard(model, mesh=mesh or cpu_mesh(), shard_placement_fn=fn)
+    return model
+
+
+def _train(model, steps=STEPS, split=None):
+    rank, w = world() if split is None else split
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(global_mean(loss))
+    return losses
+
+
+def _train_ref(ref, steps=STEPS):
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        x, y = mlp_batch(step)
+        loss = ((ref(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _flat_vs_default(mesh_shape=None, reshard=True) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fully_shard import debug
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
+    ref = make_mlp()
+    flat, default = _shard(copy.deepcopy(ref), True, mesh, reshard), _shard(copy.deepcopy(ref), False, mesh, reshard)
+    shapes = {n: (tuple(p.shape), p.placements) for n, p in flat.named_parameters()}
+    with debug.trace() as t:
+        a = _train(flat)
+    gathered = sum(r.nbytes for r in t.select(op="all_gather", step=0))
+    with debug.trace() as t:
+        b = _train(default)
+    gathered_default = sum(r.nbytes for r in t.select(op="all_gather", step=0))
+    ref_losses = _train_ref(ref)
+    fs, ds = flat.state_dict(), default.state_dict()
+    theirs = dict(ref.named_parameters())
+    return {
+        "shapes": shapes,
+        "losses_equal": a == b,
+        "loss_diff_ref": max(abs(x - y) for x, y in zip(a, ref_losses)),
+        "state_dict_like_default": all(
+            fs[k].shape == ds[k].shape and fs[k].placements == ds[k].placements
+            and fs[k].to_local().shape == ds[k].to_local().shape for k in ds
+        ),
+        "params_equal": all(torch.equal(fs[k].to_local(), ds[k].to_local()) for k in ds),
+        "param_diff_ref": max((fs[k].full_tensor() - theirs[k].detach()).abs().max().item() for k in ds),
+        "gathered": gathered,
+        "gathered_default": gathered_default,
+    }
+
+
+def _gathered_bytes(w: int, flat: bool) -> int:
+    """What one step's forward all-gathers receive at world ``w`` (float64; each block and the root
+    once, resharded blocks once more in backward)."""
+    if w == 1:
+        return 0  # nothing to gather
+    model = make_mlp()
+    groups = [list(b.parameters()) for b in model[:3]] + [list(model[3].parameters())]
+    total = 0
+    for i, params in enumerate(groups):
+        if flat:
+            per_rank = sum(math.ceil(p.numel() / w) for p in params)
+        else:
+            per_rank = sum(math.ceil(p.shape[0] / w) * (p.numel() // p.shape[0]) for p in params)
+        total += w * per_rank * 8 * (2 if i < 3 else 1)  # the root's default keeps its parameters
+    return total
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_flat_trains_as_the_default_layout_with_less_padding(ranks, world_size):
+    for r in ranks(world_size).run(_flat_vs_default):
+        print(f"world {world_size}: {dict((k, v) for k, v in r.items() if k != 'shapes')}")
+        # Between steps the module and the optimizer see 1-D DTensors of numel elements.
+        assert r["shapes"]["0.0.weight"] == ((91,), (Shard(0),)), r["shapes"]
+        assert r["state_dict_like_default"], r
+        if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
+            assert r["losses_equal"] and r["params_equal"], r
+        assert r["loss_diff_ref"] <= TOL64 and r["param_diff_ref"] <= TOL64, r
+        assert r["gathered"] == _gathered_bytes(world_size, True), r
+        assert r["gathered_default"] == _gathered_bytes(world_size, False), r
+        if world_size == 4:
+            assert r["gathered"] < r["gathered_default"], r
+
+
+def test_flat_on_an_hsdp_mesh_and_kept_after_forward(ranks):
+    for r in ranks(4).run(_flat_vs_default, (2, 2), False):
+        assert r["shapes"]["0.0.weight"][1] == (torch.distributed.tensor.Replicate(), Shard(0)), r
+        assert r["state_dict_like_default"] and r["loss_diff_ref"] <= TOL64 and r["param_diff_ref"] <= TOL64, r
+
+
+def _dcp(path: str, save_flat: bool, load_flat: bool, saving: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model = _shard(make_mlp(), save_flat if saving else load_flat)
+    if saving:
+        _train(model, 2)
+        dcp.save(model.state_dict(), checkpoint_id=path)
+        return {k: v.full_tensor() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    out = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    # and it trains on from there like the model that saved it would
+    return out
+
+
+@pytest.mark.parametrize("save_flat,load_flat", [(True, False), (False, True), (True, True)])
+def test_dcp_checkpoints_interchange_with_the_default_layout_across_world_sizes(ranks, tmp_path, save_flat, load_flat):
+    path = str(tmp_path / "ckpt")
+    saved = ranks(4).run(_dcp, path, save_flat, load_flat, True)[0]
+    for loaded in ranks(2).run(_dcp, path, save_flat, load_flat, False):
+        assert saved.keys() == loaded.keys()
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def _full_state_dict_round_trip() -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    ref = make_mlp()
+    model = _shard(copy.deepcopy(ref), True)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    equal_to_ref = all(torch.equal(full[k], v.detach()) for k, v in ref.named_parameters())
+    full_copy = {k: v.clone() for k, v in full.items()}  # set_model_state_dict distributes in place
+    other = make_mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    loaded = _shard(other, True)
+    set_model_state_dict(loaded, full, options=StateDictOptions(full_state_dict=True))
+    back = {k: v.full_tensor() for k, v in loaded.state_dict().items()}
+    # a wrong shape refused with nothing loaded, naming the parameter's own shape
+    before = {k: v.full_tensor() for k, v in loaded.state_dict().items()}
+    bad = _shard(make_mlp(), True).state_dict()
+    bad["0.0.weight"] = torch.zeros(13, 8, dtype=torch.float64)
+    try:
+        loaded.load_state_dict(bad)
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    still = all(torch.equal(loaded.state_dict()[k].full_tensor(), before[k]) for k in before)
+    return {"equal_to_ref": equal_to_ref, "loaded": all(torch.equal(back[k], full_copy[k]) for k in full_copy),
+            "refused": refused, "unchanged_after_refusal": still}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_full_state_dicts_reconstruct_exactly(ranks, world_size):
+    for r in ranks(world_size).run(_full_state_dict_round_trip):
+        assert r["equal_to_ref"] and r["loaded"] and r["unchanged_after_refusal"], r
+        assert "'0.0.weight' is (13, 8), the model's (13, 7)" in r["refused"], r["refused"]
+
+
+def _tp_refused() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from fully_shard import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    try:
+        fully_shard(model, mesh=mesh["dp"], shard_placement_fn=_flat)
+    except ValueError as e:
+        return str(e) + f" | still a TP DTensor: {isinstance(model[0].weight, DTensor) and model[0].weight.placements}"
+    return "no error"
+
+
+def test_flat_shard_of_a_tensor_parallel_parameter_is_refused_with_the_fix(ranks):
+    for message in ranks(2).run(_tp_refused):
+        assert "returned FlatShard() for parameter '0.weight', a tensor-parallel DTensor" in message, message
+        assert "Fix: return None or Shard(dim)" in message and "(Shard(dim=0),)" in message, message
+
+
+def _codec_refused() -> str:
+    from fully_shard.quant import Int8AllGather
+
+    model = _shard(make_mlp().float(), True)
+    try:
+        model.set_all_gather_codec(Int8AllGather())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_an_all_gather_codec_on_flat_parameters_is_refused_with_the_fix(ranks):
+    for message in ranks(2).run(_codec_refused):
+        assert "parameter '3.weight' is sharded flat (codecs gather dim-0 shards); nothing was changed" in message, message
+        assert "Fix: leave it out" in message, message
+
+
+def _meta_init() -> dict:
+    from fully_shard import unsharded
+
+    out = {}
+    for flat in (True, False):
+        with torch.device("meta"):
+            model = make_mlp()
+        _shard(model, flat)
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        # Module code that reads a flat parameter between steps sees the 1-D shard: initialise
+        # inside unsharded(writeback=True), where every parameter has its own shape.
+        with unsharded(model, writeback=True):
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.reset_parameters()
+        out[flat] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"equal": all(torch.equal(out[True][k], out[False][k]) for k in out[False])}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_meta_init_inside_unsharded_equals_the_default_layout(ranks, world_size):
+    for r in ranks(world_size).run(_meta_init):
+        assert r["equal"], r
