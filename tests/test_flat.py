@@ -32,30 +32,19 @@ def _shard(model, flat: bool, mesh=None, reshard=True):
     return model
 
 
-def _train(model, steps=STEPS, split=None):
-    rank, w = world() if split is None else split
+def _train(model, steps=STEPS, reference=False):
+    """AdamW steps on `mlp_batch`: this rank's slice (losses averaged over ranks), or the whole
+    batch for the single-process ``reference``."""
+    rank, w = (0, 1) if reference else world()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(steps):
-        x, y = mlp_batch(step)
-        loss = ((model(x.chunk(w)[rank]) - y.chunk(w)[rank]) ** 2).mean()
+        x, y = (t.chunk(w)[rank] for t in mlp_batch(step))
+        loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        losses.append(global_mean(loss))
-    return losses
-
-
-def _train_ref(ref, steps=STEPS):
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    losses = []
-    for step in range(steps):
-        x, y = mlp_batch(step)
-        loss = ((ref(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(loss.item() if reference else global_mean(loss))
     return losses
 
 
@@ -74,7 +63,7 @@ def _flat_vs_default(mesh_shape=None, reshard=True) -> dict:
     with debug.trace() as t:
         b = _train(default)
     gathered_default = sum(r.nbytes for r in t.select(op="all_gather", step=0))
-    ref_losses = _train_ref(ref)
+    ref_losses = _train(ref, reference=True)
     fs, ds = flat.state_dict(), default.state_dict()
     theirs = dict(ref.named_parameters())
     return {
@@ -255,3 +244,37 @@ def _meta_init() -> dict:
 def test_meta_init_inside_unsharded_equals_the_default_layout(ranks, world_size):
     for r in ranks(world_size).run(_meta_init):
         assert r["equal"], r
+
+
+def _through_checkpoint_wrapper(where: str) -> dict:
+    """torch's checkpoint_wrapper renames state-dict keys with hooks of its own: ``where`` "wrapper"
+    shards the wrapper (torchtitan), "root" only the root over wrapped blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from fully_shard import fully_shard
+
+    out = {}
+    for flat in (True, False):
+        model = make_mlp()
+        for i in range(3):
+            model[i] = checkpoint_wrapper(model[i])
+            if where == "wrapper":
+                fully_shard(model[i], shard_placement_fn=_flat if flat else None)
+        fully_shard(model, shard_placement_fn=_flat if flat else None)
+        _train(model, 2)
+        out[flat] = model
+    sd_flat, sd_default = out[True].state_dict(), out[False].state_dict()
+    same = sd_flat.keys() == sd_default.keys() and all(
+        sd_flat[k].shape == sd_default[k].shape and torch.equal(sd_flat[k].full_tensor(), sd_default[k].full_tensor())
+        for k in sd_default
+    )
+    out[True].load_state_dict(sd_default)  # the default layout's state dict into the flat model
+    back = out[True].state_dict()
+    return {"same": same, "loaded": all(torch.equal(back[k].full_tensor(), sd_default[k].full_tensor()) for k in back)}
+
+
+@pytest.mark.parametrize("where", ["wrapper", "root"])
+def test_flat_state_dicts_through_checkpoint_wrapper(ranks, where):
+    for r in ranks(2).run(_through_checkpoint_wrapper, where):
+        assert r["same"] and r["loaded"], r
+

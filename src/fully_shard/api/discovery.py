@@ -202,8 +202,9 @@ class FlatShard:
     ``model.parameters()`` see a 1-D DTensor of ``numel`` elements (element-wise optimizers
     such as AdamW step the same; shape-aware ones see a vector; initialise after meta-device
     init inside ``unsharded(model, writeback=True)``); the state dict shows the
-    parameter in its own shape, sharded on dim 0, interchangeable with the default layout.
-    docs/planning.md says when it pays."""
+    parameter in its own shape, sharded on dim 0, interchangeable with the default layout
+    (state dict calls gather it: collectives; ``broadcast_from_rank0`` loading is not supported
+    yet). docs/planning.md says when it pays and what it changes."""
 
 
 def flat_where_padded(world_size: int) -> Callable[[nn.Parameter], Optional[FlatShard]]:

@@ -43,6 +43,16 @@ def to_flat(value: torch.Tensor, shape: torch.Size, info: MeshInfo) -> torch.Ten
     return _dtensor(local, info, torch.Size([n]))
 
 
+# Wrappers whose own state-dict hooks rename keys (torch's checkpoint_wrapper); compared without.
+_RENAMED = ("_checkpoint_wrapped_module.",)
+
+
+def _plain(key: str) -> str:
+    for segment in _RENAMED:
+        key = key.replace(segment, "")
+    return key
+
+
 def convert_entries(
     module: nn.Module,
     state_dict: dict,
@@ -52,14 +62,20 @@ def convert_entries(
 ) -> None:
     """Every flat-sharded parameter under ``module`` whose entry is in the other form: to the
     default layout when ``saving`` (after ``state_dict``), to the flat shard before loading.
-    ``flat_of(param)``: its `FSDPParam` when flat-sharded (of more than one dim), else None."""
+    ``flat_of(param)``: its `FSDPParam` when flat-sharded (of more than one dim), else None.
+    Entries are found by name, wrapper segments aside (`_RENAMED`)."""
+    flats = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         fp = flat_of(param)
-        key = prefix + name
-        if fp is None or key not in state_dict or not isinstance(state_dict[key], torch.Tensor):
+        if fp is not None:
+            flats[_plain(prefix + name)] = fp
+    if not flats:
+        return
+    for key, value in list(state_dict.items()):
+        fp = flats.get(_plain(key))
+        if fp is None or not isinstance(value, torch.Tensor):
             continue
-        value, shape, info = state_dict[key], fp.shape, fp.info
         if saving and isinstance(value, DTensor) and value.dim() == 1:
-            state_dict[key] = to_rows(value, shape, info)
-        elif not saving and tuple(value.shape) == tuple(shape):
-            state_dict[key] = to_flat(value, shape, info)
+            state_dict[key] = to_rows(value, fp.shape, fp.info)
+        elif not saving and tuple(value.shape) == tuple(fp.shape):
+            state_dict[key] = to_flat(value, fp.shape, fp.info)
