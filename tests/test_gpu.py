@@ -163,6 +163,36 @@ def test_cuda_cpu_offload_keeps_shards_and_grads_on_host(nccl_world, pin_memory)
     assert freed < model_bytes / 4
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offload):
+    """FlatShard on the device (and with its shards offloaded to the host: its state dict gathers
+    them, which the review of 2026-11-26 suspected fails on an NCCL-only mesh; not yet run)."""
+    from fully_shard import CPUOffloadPolicy, FlatShard, fully_shard
+
+    torch.manual_seed(0)
+    model = llama64(LlamaConfig(n_layers=2))
+    ref = copy.deepcopy(model).cuda()
+    policy = CPUOffloadPolicy() if offload else None
+    for layer in model.layers:
+        fully_shard(layer, mesh=nccl_world, shard_placement_fn=lambda p: FlatShard(), offload_policy=policy)
+    fully_shard(model, mesh=nccl_world, shard_placement_fn=lambda p: FlatShard(), offload_policy=policy)
+    assert all(p.dim() == 1 for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        x, y = synthetic_batch(step, 4, 16, model.cfg.vocab_size)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            loss_fn(m(x.cuda()), y.cuda()).backward()
+            o.step()
+            o.zero_grad()
+    sd = model.state_dict()
+    theirs = dict(ref.named_parameters())
+    assert all(tuple(sd[k].shape) == tuple(theirs[k].shape) for k in theirs)
+    diff = max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
+    print(f"flat offload={offload}: max |param diff| {diff:.2e}")
+    assert diff <= TOL64
+
+
 def test_cuda_offloaded_shards_stay_on_host(nccl_world):
     """model.cuda() after fully_shard brings offloaded shards back to the host; a shard moved to
     the device by hand (bypassing nn.Module) is refused at the next forward, naming it."""
