@@ -31,16 +31,11 @@ def to_rows(flat: DTensor, shape: torch.Size, info: MeshInfo) -> DTensor:
     return _dtensor(full.narrow(0, layout.start, layout.local_rows).clone(), info, shape)
 
 
-def to_flat(value: torch.Tensor, shape: torch.Size, info: MeshInfo) -> torch.Tensor:
-    """A state dict's entry of ``shape`` (a DTensor in any layout, or the full tensor) as this
-    rank's flat shard; anything else is returned as it is (the shape check names it)."""
-    if tuple(value.shape) != tuple(shape):
-        return value
+def to_flat(value: torch.Tensor, fp: Any) -> DTensor:
+    """A state dict's entry in the parameter's own shape (a DTensor in any layout, or the full
+    tensor) as ``fp``'s flat shard (`FSDPParam.local_chunk`: this rank's range)."""
     full = value.full_tensor() if isinstance(value, DTensor) else value
-    n = full.numel()
-    layout = ShardLayout(torch.Size([n]), 0, info.world_size, info.rank)
-    local = full.reshape(-1).narrow(0, layout.start, layout.local_rows).clone()
-    return _dtensor(local, info, torch.Size([n]))
+    return _dtensor(fp.local_chunk(full).clone(), fp.info, fp.layout.shape)
 
 
 # Wrappers whose own state-dict hooks rename keys (torch's checkpoint_wrapper); compared without.
@@ -78,4 +73,4 @@ def convert_entries(
         if saving and isinstance(value, DTensor) and value.dim() == 1:
             state_dict[key] = to_rows(value, fp.shape, fp.info)
         elif not saving and tuple(value.shape) == tuple(fp.shape):
-            state_dict[key] = to_flat(value, fp.shape, fp.info)
+            state_dict[key] = to_flat(value, fp)
