@@ -44,8 +44,8 @@ from train_pp_fsdp import SCHEDULES, build_stages, count_collectives  # noqa: E4
 
 
 class Impl:
-    def __init__(self, name: str, args: argparse.Namespace, mesh, batches: Batches) -> None:
-        self.name, self.args, self.batches = name, args, batches
+    def __init__(self, name: str, args: argparse.Namespace, mesh, batches: Batches, device: torch.device) -> None:
+        self.name, self.args, self.batches, self.device = name, args, batches, device
         if name == "torch":
             from torch.distributed.fsdp import fully_shard
             from torch.distributed.pipelining import PipelineStage
@@ -58,7 +58,7 @@ class Impl:
                 from torch.distributed.pipelining import PipelineStage
         sched_name, virtual = SCHEDULES[args.schedule]
         self.dp_rank, self.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-        modules, stages = build_stages(args, mesh, torch.device("cpu"), fully_shard, PipelineStage)
+        modules, stages = build_stages(args, mesh, device, fully_shard, PipelineStage)
         cls = getattr(pipelining, sched_name)
         self.schedule = cls(stages if virtual > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
         self.opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=1e-3)
@@ -67,7 +67,7 @@ class Impl:
         self.times: list[float] = []
 
     def step(self, step: int) -> None:
-        x, y = self.batches.rank_batch(step, self.dp_rank, self.dp)
+        x, y = (t.to(self.device).contiguous() for t in self.batches.rank_batch(step, self.dp_rank, self.dp))
         kwargs = {"target": y} if self.last else {}
         self.schedule.step(x, **kwargs) if self.first else self.schedule.step(**kwargs)
         self.opt.step()
@@ -86,11 +86,26 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: NCCL, one GPU per rank; memory is max_memory_allocated above the live bytes before")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    gpu = args.device != "cpu"
+    if gpu:
+        device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
+        torch.accelerator.set_device_index(device.index)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if gpu else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (args.pp, world // args.pp), mesh_dim_names=("pp", "dp"))
+    mesh = init_device_mesh(device.type, (args.pp, world // args.pp), mesh_dim_names=("pp", "dp"))
+
+    def sync() -> None:
+        if gpu:
+            torch.accelerator.synchronize(device)
+
+    def live() -> int:
+        return torch.accelerator.memory_allocated(device) if gpu else COUNTER.live()
     batches = Batches(load_corpus(None, 2_000_000).train, args.seq_len, args.batch, seed=0)
     names = ["ours", "torch"] + ([] if args.schedule in ("zb", "zbv") else ["ours_plain_stage"])
 
@@ -98,20 +113,23 @@ def main() -> None:
     counts: dict[str, tuple[int, int]] = {}
     for name in names:  # one alive at a time
         gc.collect()
-        before = COUNTER.live()
-        impl = Impl(name, args, mesh, batches)
+        sync()
+        before = live()
+        impl = Impl(name, args, mesh, batches, device)
         impl.step(0)
         impl.step(1)
         gc.collect()
-        COUNTER.reset_peak()
+        sync()
+        torch.accelerator.reset_peak_memory_stats(device) if gpu else COUNTER.reset_peak()
         counter = count_collectives()
         with counter:
             impl.step(2)
-        memory[name] = COUNTER.peak() - before
+        sync()
+        memory[name] = (torch.accelerator.max_memory_allocated(device) if gpu else COUNTER.peak()) - before
         counts[name] = (counter.all_gather, counter.reduce_scatter)
         del impl
 
-    impls = [Impl(name, args, mesh, batches) for name in names]
+    impls = [Impl(name, args, mesh, batches, device) for name in names]
     for impl in impls:
         impl.step(0)
     for r in range(args.rounds):
@@ -120,6 +138,7 @@ def main() -> None:
                 dist.barrier()
                 tic = time.perf_counter()
                 impl.step(1 + s)
+                sync()
                 dist.barrier()
                 impl.times.append(time.perf_counter() - tic)
 
@@ -138,8 +157,9 @@ def main() -> None:
         base = {r[0]: r for r in rows}["torch"]
         lines = [f"world {world} (pp={args.pp}, dp={world // args.pp}), {SCHEDULES[args.schedule][0]}, "
                  f"{args.microbatches} micro-batches, Llama dim {args.dim} x {args.layers} blocks, batch "
-                 f"{args.batch}x{args.seq_len}, {args.rounds} rounds x {args.steps_per_round} steps, torch {torch.__version__}\n",
-                 "| implementation | median step ms [min-max] | / torch | peak MiB per rank (allocator) | / torch | "
+                 f"{args.batch}x{args.seq_len}, {args.rounds} rounds x {args.steps_per_round} steps, torch {torch.__version__}, "
+                 f"{torch.cuda.get_device_name(device) if gpu else 'CPU/gloo'}\n",
+                 f"| implementation | median step ms [min-max] | / torch | peak MiB per rank ({'max_memory_allocated' if gpu else 'allocator'}) | / torch | "
                  "all-gathers / step | reduce-scatters / step |",
                  "|---|---|---|---|---|---|---|"]
         for name, med, lo, hi, mem, ag, rs in rows:

@@ -87,11 +87,9 @@ def build_stages(args: argparse.Namespace, mesh, device: torch.device, shard, st
     cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4, hidden_dim=2 * args.dim,
                       max_seq_len=args.seq_len)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(cfg)
-        model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())  # untied
-        if getattr(args, "fp64", False):
-            model.double()
+    model = Llama(cfg)  # initialised on the CPU: the same weights on any device (its RNG differs)
+    model.output.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())  # untied
+    model.to(device, torch.float64 if getattr(args, "fp64", False) else None)
     per_stage = args.layers // n_stages
     modules, stages = [], []
     for s in stage_indices(args.schedule, mesh["pp"].get_local_rank(), args.pp):
@@ -171,7 +169,7 @@ def main() -> None:
     for step in range(args.steps):
         start = time.perf_counter()
         x, y = batches.rank_batch(step, dp_rank, dp)
-        x, y = x.to(device), y.to(device)
+        x, y = x.to(device).contiguous(), y.to(device).contiguous()  # torch 2.11 checks input strides
         losses: list[torch.Tensor] = []
         counter = count_collectives() if args.count else None
         with counter if counter is not None else contextlib.nullcontext():
