@@ -121,7 +121,7 @@ def main() -> None:
     memory: dict[str, int] = {}
     counts: dict[str, tuple[int, int]] = {}
     # A throwaway build and step first: what the first model to run allocates once per process and
-    # keeps (cuBLAS workspaces on a GPU, 32 MiB a stream; gloo's and the dispatcher's lazy state) is
+    # keeps (on a GPU 64 MiB, most likely cuBLAS workspaces; gloo's and the dispatcher's lazy state) is
     # then alive before every measured build, not charged to whichever implementation comes first.
     warm = Impl(names[-1], args, mesh, batches, device)
     warm.step(0)
