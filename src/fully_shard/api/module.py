@@ -173,6 +173,9 @@ class FSDPModule:
         backward with ``True`` all-reduces them once. No effect on a 1-D mesh."""
         value = _check_bool("requires_all_reduce", requires_all_reduce)
         self._set_fsdp_settings(recurse, requires_all_reduce=value)
+        if not value:  # where a compiled backward keeps the deferred sums (runtime/traced.py)
+            for state in self._fsdp_states(recurse):
+                traced.prepare_deferred_all_reduce(state)
 
     def set_force_sum_reduction_for_comms(self, enable: bool, *, recurse: bool = True) -> None:
         """``True``: every gradient reduction is a SUM, divided by us before and after (as on backends

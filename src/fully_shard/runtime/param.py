@@ -146,7 +146,7 @@ class FSDPParam:
         self.sharded_param = self._make_sharded_param(self._make_local_shard(data))
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
-        self.partial_reduce: Optional[torch.Tensor] = None  # HSDP: summed over shards, not yet replicas
+        self._partial: Optional[torch.Tensor] = None  # HSDP: `partial_leaf`
         # The local tensor last taken over and its wrapper's storage (`wrapper_key`): another local
         # tensor means something swapped it, another storage a ``p.data = t`` (notice_changes).
         self._seen: Optional[tuple[torch.Tensor, int]] = None
@@ -541,16 +541,38 @@ class FSDPParam:
         param.grad_dtype = None  # type: ignore[attr-defined]  # any dtype: the next step's starts in ours
         param.grad = local if plain else dtensor_in_place(local, mesh, placements, shape, grad.stride())
 
+    # HSDP with the all-reduce deferred (``set_requires_all_reduce(False)``): each backward's
+    # shard-group sum waits, not yet summed over the replicas, as the ``.grad`` of a leaf of the
+    # padded shard's size that holds no memory, so that a compiled backward adds to it as autograd
+    # adds any gradient (runtime/traced.py) and an eager one by hand, in either order.
+
+    def partial_leaf(self, dtype: torch.dtype) -> torch.Tensor:
+        """The leaf whose ``.grad`` holds the deferred sum (made when missing or stale)."""
+        leaf, numel, device = self._partial, self.where.layout.shard_numel, self.where.info.device
+        if leaf is None or (
+            leaf.grad is None and (leaf.dtype, leaf.device, leaf.numel()) != (dtype, device, numel)
+        ):
+            leaf = self._partial = torch.zeros((), dtype=dtype, device=device).expand(numel).requires_grad_()
+        return leaf
+
+    @property
+    def partial_reduce(self) -> Optional[torch.Tensor]:
+        return None if self._partial is None else self._partial.grad
+
     def add_partial_reduce(self, reduced: torch.Tensor) -> None:
-        """HSDP with the all-reduce deferred: keep this backward's shard-group sum."""
-        if self.partial_reduce is None:
-            self.partial_reduce = reduced.clone()
+        """Keep this backward's shard-group sum."""
+        leaf = self.partial_leaf(reduced.dtype)
+        if leaf.grad is None:
+            leaf.grad = reduced.clone()
         else:
-            self.partial_reduce.add_(reduced)
+            leaf.grad.add_(reduced)
 
     def take_partial_reduce(self) -> Optional[torch.Tensor]:
         """Hand the deferred sum to the reduction about to include it, so it is not sent twice."""
-        partial, self.partial_reduce = self.partial_reduce, None
+        leaf = self._partial
+        if leaf is None or leaf.grad is None:
+            return None
+        partial, leaf.grad = leaf.grad, None
         return partial
 
     def zero_grad_if_partial(self) -> Optional[torch.Tensor]:

@@ -22,7 +22,10 @@ guards on the setting) accumulates where eager does: the gather's backward hands
 unreduced, to the parameter's unsharded ``nn.Parameter`` (an extra input of the gather; its
 storage stays freed), whose ``.grad`` autograd sums. The next synced forward takes those ``.grad``
 (and clears them) as inputs, and its backward adds them before the reduction, as eager's
-accumulated unsharded gradient. Eager and compiled micro-batches mix in either order.
+accumulated unsharded gradient. Eager and compiled micro-batches mix in either order. HSDP with the
+all-reduce deferred (``set_requires_all_reduce(False)``) likewise: the backward reduce-scatters
+and hands each slot to the parameter's partial leaf (`FSDPParam.partial_leaf`), the next
+all-reducing one adds what the leaves hold before its all-reduce.
 
 A block compiled on its own while the eager engine drives the step (per-block compile; a
 recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what they installed.
@@ -157,7 +160,6 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
         (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
         (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
         (bool(s.codecs), "an all-gather codec (set_all_gather_codec)"),
-        (not s.requires_all_reduce, "set_requires_all_reduce(False)"),
         (s.keep_low_precision_grads, "keep_low_precision_grads"),
     ]
     for g in state.groups:
@@ -265,7 +267,13 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
     # A synced backward adds what micro-batches without sync accumulated: taken here, once per
     # forward (outside the recomputed region), as eager's post-backward takes it.
-    pending = [_take_accumulated(fp) if plan.sync and torch.is_grad_enabled() else None for fp in params]
+    taking = plan.sync and torch.is_grad_enabled()
+    pending = [_take_accumulated(fp) if taking else None for fp in params]
+    # HSDP: a backward that defers the all-reduce adds its sums to each parameter's partial leaf;
+    # one that all-reduces takes what the leaves hold (as eager's `FSDPParam.take_partial_reduce`).
+    leaves = [_partial_leaf(fp, plan) if plan.defer and fp.requires_grad else None for fp in params]
+    taking = taking and plan.replicate_group is not None and not plan.defer
+    partials = [fp.take_partial_reduce() if taking else None for fp in params]
 
     def gather(*inputs: Any) -> list[torch.Tensor]:
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
@@ -274,15 +282,14 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
         fulls = _GatherGroup.apply(plan, *local)
         return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
+    inputs = (*shards, *accumulators, *pending, *leaves, *partials)
     if not reshard:
-        return gather(*shards, *accumulators, *pending)
+        return gather(*inputs)
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(
         gather,
-        *shards,
-        *accumulators,
-        *pending,
+        *inputs,
         use_reentrant=False,
         context_fn=_recompute,
         preserve_rng_state=False,
@@ -305,6 +312,29 @@ def _accumulator(fp: Any) -> torch.nn.Parameter:
             "module.set_requires_gradient_sync(False) again just before the compiled micro-batch."
         )
     return unsharded
+
+
+def _partial_leaf(fp: Any, plan: "_Plan") -> torch.Tensor:
+    """The leaf whose ``.grad`` sums a parameter's HSDP sums while the all-reduce is deferred
+    (made by ``set_requires_all_reduce(False)``: a graph cannot make one)."""
+    leaf = fp._partial
+    if leaf is None or leaf.dtype != plan.reduce_dtype or leaf.numel() != fp.where.layout.shard_numel:
+        raise RuntimeError(
+            f"fully_shard: {fp.path} has no place for its deferred HSDP sums under torch.compile "
+            "(set_requires_all_reduce(False) makes one; the module's dtype changed since, or the module "
+            "is a copy). Fix: call module.set_requires_all_reduce(False) again just before the "
+            "compiled micro-batch."
+        )
+    return leaf
+
+
+def prepare_deferred_all_reduce(state: Any) -> None:
+    """Before a compiled backward that defers the HSDP all-reduce: every trainable parameter of
+    ``state`` has its partial leaf (`FSDPParam.partial_leaf`, no memory)."""
+    for group in state.own:
+        for fp in group.params:
+            if fp.requires_grad:
+                fp.partial_leaf(fp.dtypes.reduce)
 
 
 def _take_accumulated(fp: Any) -> Optional[torch.Tensor]:
@@ -359,6 +389,7 @@ class _Plan:
         self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
         self.requires_grad = [fp.requires_grad for fp in params]
         self.sync = s.requires_gradient_sync
+        self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -367,13 +398,15 @@ class _GatherGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, plan: _Plan, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        # inputs: the local shards, then per parameter its accumulator (without sync) and the
-        # gradient accumulated without sync to add in backward (each None where there is none)
+        # inputs, n of each: the local shards; per parameter its accumulator (without sync), the
+        # gradient accumulated without sync to add in backward, its partial leaf (HSDP all-reduce
+        # deferred) and the deferred sums to add before the all-reduce (each None where none)
         n = len(plan.layouts)
-        shards, pending = inputs[:n], inputs[2 * n :]
+        shards, pending, partials = inputs[:n], inputs[2 * n : 3 * n], inputs[4 * n :]
         ctx.plan = plan
         ctx.pending = [p is not None for p in pending]
-        ctx.save_for_backward(*(p for p in pending if p is not None))
+        ctx.partials = [p is not None for p in partials]
+        ctx.save_for_backward(*(p for p in (*pending, *partials) if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
             return tuple(  # (torch 2.11 refuses those)
@@ -416,18 +449,20 @@ class _GatherGroup(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         plan = ctx.plan
         n = len(plan.layouts)
+        none = [None] * n
         if not plan.sync:  # to the unsharded parameters' .grad, unreduced (autograd sums them)
             kept = [g if trainable else None for g, trainable in zip(grads, plan.requires_grad)]
-            return (None, *([None] * n), *kept, *([None] * n))
+            return (None, *none, *kept, *none, *none, *none)
         saved = iter(ctx.saved_tensors)
         grads = tuple(
             (next(saved) + g if g is not None else next(saved)) if has else g
             for g, has in zip(grads, ctx.pending)
         )
-        if all(g is None for g in grads):
-            return (None,) * (1 + 3 * n)
+        partials = [next(saved) if has else None for has in ctx.partials]
+        if all(g is None for g in grads) and not any(ctx.partials):
+            return (None,) * (1 + 5 * n)
         dtype = plan.reduce_dtype
-        device = next(g.device for g in grads if g is not None)
+        device = next(t.device for t in (*grads, *partials) if t is not None)
         inputs = [
             torch.zeros(layout.moved_shape, dtype=dtype, device=device)
             if g is None
@@ -444,13 +479,22 @@ class _GatherGroup(torch.autograd.Function):
             out = funcol.wait_tensor(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
         else:
             out = rs_input
+        slots = [layout.shard_numel for layout in plan.layouts]
+        if plan.defer:  # each slot, as it is, added to the parameter's partial leaf
+            kept = [
+                piece if trainable and (g is not None) else None
+                for piece, g, trainable in zip(out.split(slots), grads, plan.requires_grad)
+            ]
+            return (None, *none, *none, *none, *kept, *none)
+        if any(ctx.partials):  # the sums deferred by earlier backwards, added slot by slot
+            out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, slots)])
         if plan.replicate_group is not None:
             out = funcol.wait_tensor(funcol.all_reduce(out, "sum", plan.replicate_group))
         if plan.after != 1:
             out = out / plan.after
         result: list[Optional[torch.Tensor]] = [None]  # the plan
         offset = 0
-        for grad, layout, trainable in zip(grads, plan.layouts, plan.requires_grad):
+        for grad, partial, layout, trainable in zip(grads, partials, plan.layouts, plan.requires_grad):
             piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
             piece = piece[: layout.local_rows]
             offset += layout.shard_numel
@@ -458,5 +502,5 @@ class _GatherGroup(torch.autograd.Function):
                 piece = piece.movedim(0, layout.dim).contiguous()
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
-            result.append(piece if trainable and grad is not None else None)
-        return (*result, *([None] * (2 * n)))
+            result.append(piece if trainable and (grad is not None or partial is not None) else None)
+        return (*result, *none, *none, *none, *none)
