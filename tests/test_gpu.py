@@ -193,6 +193,21 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
     assert diff <= TOL64
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cuda_cpu_offload_whole_model_compiled(nccl_world, backend):
+    """CPUOffloadPolicy under the whole-model compile (issue #27): the graph copies the host shards
+    to the GPU and the gradients back; equal to eager offload (to the bit with aot_eager)."""
+    from test_traced import _offloaded
+
+    r = _offloaded("cuda", backend)
+    print(f"{backend}: {r}")
+    assert r["graphs"] == 2 and r["shard_devices"] == ["cpu"] and r["grad_devices"] == ["cpu"], r
+    if backend == "aot_eager":
+        assert r["losses_equal"] and r["params_equal"], r
+    else:
+        assert r["param_diff"] <= TOL64, r
+
+
 def test_cuda_offloaded_shards_stay_on_host(nccl_world):
     """model.cuda() after fully_shard brings offloaded shards back to the host; a shard moved to
     the device by hand (bypassing nn.Module) is refused at the next forward, naming it."""

@@ -15,7 +15,9 @@ gather in a selective activation-checkpoint region whose every op is recomputed:
 gathers again, the gathered parameters are not saved between forward and backward; an int ``k``
 gathers in two stages and recomputes only the second, within ``k`` ranks (`gather_group`). A
 tensor-parallel parameter's TP-local tensor is gathered and wrapped as the DTensor the TP module
-expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does.
+expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does. An
+offloaded (``CPUOffloadPolicy``) shard is copied to the mesh's device in the gather, its gradient
+back to the host in the reduction.
 
 Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
 guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
@@ -167,7 +169,6 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
             where = fp.where
             unsupported += [
                 (where.info.plain, "replicate(plain_params=True)"),
-                (where.offload, "CPUOffloadPolicy"),
                 (fp.uses_extension, "an all-gather extension (fsdp_pre_all_gather)"),
             ]
     for bad, what in unsupported:
@@ -352,7 +353,7 @@ def prepare_no_sync(state: Any) -> None:
     for group in state.own:
         for fp in group.params:
             where = fp.where
-            traceable = not (fp.uses_extension or where.offload or where.info.plain)
+            traceable = not (fp.uses_extension or where.info.plain)
             if fp.requires_grad and traceable:
                 fp.ensure_unsharded_param()
 
@@ -379,6 +380,8 @@ class _Plan:
         self.views = [fp.where.view for fp in params]  # `FLAT`: the parameter's shape
         self.post_forward = post_forward
         self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
+        self.device = info.device  # where the gather runs; an offloaded shard lives on the host:
+        self.hosts = [fp.where.shard_device if fp.where.offload else None for fp in params]  # (grads too)
         self.reduce_dtype = params[0].dtypes.reduce
         self.world = info.world_size
         self.group = info.group
@@ -408,16 +411,16 @@ class _GatherGroup(torch.autograd.Function):
         ctx.partials = [p is not None for p in partials]
         ctx.save_for_backward(*(p for p in (*pending, *partials) if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
+        # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
+        shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
             return tuple(  # (torch 2.11 refuses those)
-                local.to(plan.param_dtype)
-                if view is None
-                else local.to(plan.param_dtype).reshape(view).clone()
+                local if view is None else local.reshape(view).clone()
                 for local, view in zip(shards, plan.views)
             )
         flat = []
         for local, layout in zip(shards, plan.layouts):  # the sharded dim in front (`moved_shape`)
-            local = local.to(plan.param_dtype).movedim(layout.dim, 0)
+            local = local.movedim(layout.dim, 0)
             missing = layout.rows - layout.local_rows
             if missing:
                 local = torch.cat([local, local.new_zeros((missing, *layout.moved_shape[1:]))])
@@ -494,12 +497,15 @@ class _GatherGroup(torch.autograd.Function):
             out = out / plan.after
         result: list[Optional[torch.Tensor]] = [None]  # the plan
         offset = 0
-        for grad, partial, layout, trainable in zip(grads, partials, plan.layouts, plan.requires_grad):
+        for i, (grad, partial, layout) in enumerate(zip(grads, partials, plan.layouts)):
             piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
             piece = piece[: layout.local_rows]
             offset += layout.shard_numel
             if layout.dim:
                 piece = piece.movedim(0, layout.dim).contiguous()
+            if plan.hosts[i] is not None:  # offloaded: the gradient goes to the host, as eager's
+                piece = piece.to(plan.hosts[i])
+            trainable = plan.requires_grad[i]
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece if trainable and (grad is not None or partial is not None) else None)
