@@ -538,8 +538,8 @@ class FSDPParamGroup:
         """Drop every unreduced gradient; whether there was one."""
         dropped = False
         for p in self.trainable:
-            dropped = p.take_unsharded_grad() is not None or p.partial_reduce is not None or dropped
-            p.partial_reduce = None  # HSDP sums deferred by set_requires_all_reduce(False)
+            dropped = p.take_unsharded_grad() is not None or dropped
+            dropped = p.take_partial_reduce() is not None or dropped  # HSDP sums deferred
         return dropped
 
     def reduce_scatter(
