@@ -114,6 +114,39 @@ def test_hsdp_reshard_to_a_smaller_group_than_a_replicas_shards(ranks):
         assert r["all_gather_sizes"] == [2, 4], r  # backward within a pair, forward over the shards
 
 
+def _reshard_after_a_group_of_some_ranks() -> dict:
+    """A ``dist.new_group([0, 1])`` before ``fully_shard`` (every rank calls it, only ranks 0 and 1
+    join: they belong to one group more than ranks 2 and 3), then ``reshard_after_forward=2`` on a
+    shard group of its own (a fresh process group, so no earlier test made its pairs)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fully_shard import debug, fully_shard
+
+    dist.new_group([0, 1])
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(4))), "cpu")
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    for block in model:
+        fully_shard(block, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh, reshard_after_forward=2)
+    with debug.trace() as t:
+        out = _train_pair(model, ref, mlp_batch, _mlp_loss, STEPS)
+    out["all_gather_sizes"] = sorted({r.group_size for r in t.select(op="all_gather")})
+    return out
+
+
+def test_reshard_to_pairs_after_a_group_some_ranks_did_not_join(ranks):
+    """torch names a group made by its members only after its ranks and how many groups the
+    caller already belongs to: ranks that joined different numbers of groups before named the
+    pairs' groups differently and waited for each other until the timeout (a hang: the old code
+    fails here after the 120 s process-group timeout). The counts are aligned first now."""
+    results = ranks(4).run(_reshard_after_a_group_of_some_ranks)
+    check(results, "reshard 2 after an asymmetric group")
+    for r in results:
+        assert r["all_gather_sizes"] == [2, 4], r
+
+
 def _hsdp_deferred_all_reduce() -> dict:
     """Two micro-batches; the first defers the all-reduce across replicas. Equals one step on the
     whole batch, and only the last backward all-reduces."""

@@ -167,12 +167,31 @@ def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:
     synchronisation): shard groups that are not the whole world make theirs independently."""
     made = _POST_FORWARD.setdefault(info.group, {})
     if size not in made:
+        _align_group_counts(info)
         ranks = dist.get_process_group_ranks(info.group)
         start, pos = info.rank - info.rank % size, info.rank % size
         group = dist.new_group(ranks[start : start + size], use_local_synchronization=True)
         across = dist.new_group(ranks[pos::size], use_local_synchronization=True)
         made[size] = PostForwardGroup(group=group, size=size, rank=pos, across=across)
     return made[size]
+
+
+def _align_group_counts(info: MeshInfo) -> None:
+    """torch names a group made with local synchronisation after its ranks and the number of
+    groups the calling rank already belongs to (``distributed_c10d._hash_ranks_to_str``): members
+    that joined different numbers of groups before (a ``dist.new_group`` over some ranks only, which
+    the others call without joining) would name one group differently and wait for each other
+    until the timeout. So the members of the shard group first agree on that number (one small
+    all-gather), and those below the largest join groups of their own rank alone (no
+    communication) until they reach it."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if names is None or info.device.type == "meta":  # no such table in this torch; a simulation
+        return
+    mine = torch.tensor([len(names)], dtype=torch.int64, device=info.device)
+    counts = mine.repeat(info.world_size)
+    dist.all_gather_into_tensor(counts, mine, group=info.group)
+    for _ in range(int(counts.max().item()) - len(names)):
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def is_across_group(name: str) -> bool:
