@@ -147,6 +147,7 @@ class FSDPParam:
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self._partial: Optional[torch.Tensor] = None  # HSDP: `partial_leaf`
+        self._carried_grad: Optional[torch.Tensor] = None  # `_drop_unsharded`
         # The local tensor last taken over and its wrapper's storage (`wrapper_key`): another local
         # tensor means something swapped it, another storage a ``p.data = t`` (notice_changes).
         self._seen: Optional[tuple[torch.Tensor, int]] = None
@@ -434,6 +435,7 @@ class FSDPParam:
         if self.where.tp is not None:
             tensor = self.where.tp.unsharded(tensor)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
+        self.unsharded_param.grad, self._carried_grad = self._carried_grad, None
         register_unsharded(self, self.unsharded_param)
         return self.unsharded_param
 
@@ -756,10 +758,13 @@ class FSDPParam:
         torch.utils.swap_tensors(param, fresh)
 
     def _drop_unsharded(self) -> None:
-        """Forget the unsharded buffers (their dtype changed); the next unshard makes new ones."""
+        """Forget the unsharded buffers (their dtype changed, or an extension builds them now); the
+        next unshard makes new ones, and takes over a gradient accumulated without sync."""
         assert not self.is_unsharded, f"parameter {self.fqn} changed while unsharded"
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
-        self.unsharded_param = None
+        old, self.unsharded_param = self.unsharded_param, None
+        if old is not None and old.grad is not None and old.grad.dtype == self.dtypes.param:
+            self._carried_grad = old.grad
 
 
 _MISSING = object()

@@ -48,9 +48,10 @@ class Settings:
 
     def codec_for(self, fqn: str) -> Any:
         """The all-gather codec for the parameter ``fqn`` (None: the plain all-gather)."""
-        if not self.codecs:  # asked per parameter per all-gather
-            return None
-        return next((codec for name, codec in self.codecs if name == fqn), None)
+        for name, codec in self.codecs:  # (a loop, not next() of a generator: dynamo traces it)
+            if name == fqn:
+                return codec
+        return None
 
     def reduction_key(self) -> tuple[object, ...]:
         """Groups of one mesh with equal keys may share a reduce-scatter."""

@@ -18,6 +18,8 @@ tensor-parallel parameter's TP-local tensor is gathered and wrapped as the DTens
 expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does. An
 offloaded (``CPUOffloadPolicy``) shard is copied to the mesh's device in the gather, its gradient
 back to the host in the reduction.
+An all-gather codec (``set_all_gather_codec``) encodes each shard in the graph and decodes the
+gathered bytes (`_gather_encoded`); the gradient passes straight through, as eager's.
 
 Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
 guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
@@ -43,7 +45,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
+from .extension import EXTENSION_METHODS, _pad_rows, _unpack
 from .lifecycle import IterationPhase, TrainingPhase
 from .state import _cast_floats, fsdp_states
 
@@ -155,13 +159,21 @@ def refuse_untraceable_tree(state: Any) -> None:
     state._tree_traceable = True
 
 
+def _has_extension(fp: Any) -> bool:
+    """Whether the local shard brings its own all-gather extension (a tensor subclass's methods).
+    A loop, not a generator: dynamo, running over a frame it left eager, refuses generator frames."""
+    for method in EXTENSION_METHODS:
+        if hasattr(fp.local_shard, method):
+            return True
+    return False
+
+
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     """Raise, while tracing, for what the traced path does not do yet: each names the fix."""
     s, name = state.settings, name or state.name()
     unsupported = [
         (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
         (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
-        (bool(s.codecs), "an all-gather codec (set_all_gather_codec)"),
         (s.keep_low_precision_grads, "keep_low_precision_grads"),
     ]
     for g in state.groups:
@@ -169,7 +181,10 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
             where = fp.where
             unsupported += [
                 (where.info.plain, "replicate(plain_params=True)"),
-                (fp.uses_extension, "an all-gather extension (fsdp_pre_all_gather)"),
+                (
+                    _has_extension(fp),
+                    "an all-gather extension (fsdp_pre_all_gather)",
+                ),
             ]
     for bad, what in unsupported:
         if bad:
@@ -353,7 +368,7 @@ def prepare_no_sync(state: Any) -> None:
     for group in state.own:
         for fp in group.params:
             where = fp.where
-            traceable = not (fp.uses_extension or where.info.plain)
+            traceable = not (where.info.plain or _has_extension(fp))
             if fp.requires_grad and traceable:
                 fp.ensure_unsharded_param()
 
@@ -378,6 +393,7 @@ class _Plan:
         info, s = group.info, group.settings
         self.layouts = [fp.where.layout for fp in params]
         self.views = [fp.where.view for fp in params]  # `FLAT`: the parameter's shape
+        self.paths = [fp.path for fp in params]
         self.post_forward = post_forward
         self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
         self.device = info.device  # where the gather runs; an offloaded shard lives on the host:
@@ -392,7 +408,87 @@ class _Plan:
         self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
         self.requires_grad = [fp.requires_grad for fp in params]
         self.sync = s.requires_gradient_sync
+        # an all-gather codec's (set_all_gather_codec) pre hook and post hook, per parameter
+        self.codecs = [_codec_calls(fp) for fp in params]
         self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
+
+
+def _codec_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
+    """A parameter's codec and the arguments after the shard its pre hook takes (as eager's
+    `FSDPParam.extension_inputs`), or None."""
+    codec = fp.codec
+    if codec is None:
+        return None
+    layout = fp.where.layout
+    if layout.dim != 0 or fp.where.view is not None:
+        raise ValueError(
+            f"parameter {fp.path} has an all-gather codec and is sharded on dim {fp.shard_dim}; codecs "
+            "gather dim-0 shards. Fix: return Shard(0) (or None) for it from shard_placement_fn."
+        )
+    pre_args = (fp.where.info.shard_mesh, layout.shape, contiguous_stride(layout.shape), fp.places[0].module)
+    return codec, (*pre_args, fp.dtypes.policy)
+
+
+def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``flat_in``, one row each (in two stages with a `PostForwardGroup`)."""
+    pf = plan.post_forward
+    if plan.world == 1:
+        return flat_in.view(1, -1)
+    if pf is None:
+        return funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(plan.world, -1)
+    # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
+    kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
+    out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
+    return out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
+
+
+_ALIGN = 16  # bytes: each piece of an encoded row starts aligned for any dtype's view
+
+
+def _gather_encoded(plan: "_Plan", shards: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A group with codecs: each rank's row holds, per parameter, its codec's inputs (the pre hook
+    on the shard, rows padded as eager's) or its shard cast and padded, as bytes; one all-gather;
+    each codec's post hook rebuilds its parameter (the gradient passes straight through, as eager)."""
+    pieces: list[torch.Tensor] = []
+    decoded: list[Any] = []  # per parameter: None, or (codec, shard, metadata, input shapes and dtypes)
+    for local, layout, calls, fp_path in zip(shards, plan.layouts, plan.codecs, plan.paths):
+        if calls is None:  # as `_GatherGroup.forward`'s buffer
+            t = local.to(plan.param_dtype).movedim(layout.dim, 0)
+            if layout.rows > layout.local_rows:
+                t = torch.cat([t, t.new_zeros((layout.rows - layout.local_rows, *layout.moved_shape[1:]))])
+            inputs, spec = [t], None
+        else:
+            codec, pre_args = calls
+            returned, metadata = _unpack(codec.pre_all_gather(local, *pre_args), fp_path)
+            inputs = [_pad_rows(t, layout.local_rows, layout.rows, fp_path) for t in returned]
+            spec = (codec, local, metadata, [(t.shape, t.dtype) for t in inputs])
+        decoded.append(spec)
+        for t in inputs:
+            b = t.reshape(-1).view(torch.uint8)
+            pad = -b.numel() % _ALIGN
+            pieces.append(torch.cat([b, b.new_zeros(pad)]) if pad else b)
+    per_rank = _all_gather(plan, torch.cat(pieces))
+    fulls, offset = [], 0
+    for layout, view, spec in zip(plan.layouts, plan.views, decoded):
+        sizes = (
+            [(torch.Size((layout.rows, *layout.moved_shape[1:])), plan.param_dtype)]
+            if spec is None
+            else spec[3]
+        )
+        outputs = []
+        for shape, dtype in sizes:  # each piece's bytes of every rank, as its dtype, ranks' rows stacked
+            nbytes = shape.numel() * dtype.itemsize
+            outputs.append(per_rank[:, offset : offset + nbytes].reshape(-1).view(dtype).view(-1, *shape[1:]))
+            offset += nbytes + (-nbytes % _ALIGN)
+        if spec is None:
+            full = outputs[0][: layout.moved_shape[0]]
+            full = full.view(view) if view is not None else full
+            fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
+        else:  # (dim 0 only: `_codec_calls`)
+            codec, local, metadata, _ = spec
+            full, _ = codec.post_all_gather(local, tuple(outputs), metadata, plan.param_dtype)
+            fulls.append(full.reshape(-1)[: layout.shape.numel()].view(layout.shape).clone())
+    return tuple(fulls)
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -412,6 +508,8 @@ class _GatherGroup(torch.autograd.Function):
         ctx.save_for_backward(*(p for p in (*pending, *partials) if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
+        if any(plan.codecs):  # (a codec reads the shard in its own dtype)
+            return _gather_encoded(plan, [local.to(plan.device, non_blocking=True) for local in shards])
         shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
             return tuple(  # (torch 2.11 refuses those)
@@ -426,15 +524,7 @@ class _GatherGroup(torch.autograd.Function):
                 local = torch.cat([local, local.new_zeros((missing, *layout.moved_shape[1:]))])
             flat.append(local.reshape(-1))
         flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
-        pf = plan.post_forward
-        if pf is None:
-            per_rank = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(
-                plan.world, -1
-            )
-        else:  # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
-            kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
-            out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
-            per_rank = out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
+        per_rank = _all_gather(plan, flat_in)
         fulls, offset = [], 0
         for layout, view in zip(plan.layouts, plan.views):
             numel = layout.shard_numel
