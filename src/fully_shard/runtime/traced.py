@@ -154,8 +154,12 @@ def refuse_untraceable_tree(state: Any) -> None:
     state; a setting changed later is still refused inside the trace."""
     if state.__dict__.get("_tree_traceable"):
         return
-    for s, path in fsdp_states(state.modules).items():  # (paths: before lazy init, states have none)
-        refuse_untraceable(s, f"module {path or '<root>'}")
+    prefix = getattr(state, "fqn", "")  # (before lazy init, states have none)
+    for s, path in fsdp_states(state.modules).items():  # paths below ``state``, which may be a block
+        full = (
+            f"{prefix}.{path}" if prefix and path else prefix or path
+        )  # (no generator: see `_has_extension`)
+        refuse_untraceable(s, f"module {full}" if full else f"module {type(s.modules[0]).__name__}")
     state._tree_traceable = True
 
 
@@ -170,7 +174,9 @@ def _has_extension(fp: Any) -> bool:
 
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     """Raise, while tracing, for what the traced path does not do yet: each names the fix."""
-    s, name = state.settings, name or state.name()
+    s = state.settings
+    if name is None:  # before lazy init (a compiled step's first trace) no state knows its path yet
+        name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
     unsupported = [
         (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
         (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
