@@ -266,24 +266,26 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
             assert r["param_diff"] <= TOL64, r
 
 
-def _accumulation(mode: str, bf16: bool = False) -> dict:
-    """2 steps of 3 micro-batches, the first two without gradient sync: eager, against ``mode``
-    ("compiled": all compiled; "then_eager": the no-sync ones compiled, the synced one eager;
-    "after_eager": the reverse)."""
+def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
+    """2 steps of 3 micro-batches, the first two without gradient sync (``hsdp``: on a (2, w/2)
+    mesh, with the all-reduce deferred instead): eager, against ``mode`` ("compiled": all compiled;
+    "then_eager": the first two compiled, the last one eager; "after_eager": the reverse)."""
     from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
 
     from fully_shard import MixedPrecisionPolicy
 
     _fresh_compiler()
     rank, w = world()
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     torch.manual_seed(0)
     eager = llama64(LlamaConfig(n_layers=2))
     if bf16:
         eager = eager.float()
     compiled = copy.deepcopy(eager)
-    _shard(eager, True, mp)
-    _shard(compiled, True, mp)
+    _shard(eager, True, mp, mesh)
+    _shard(compiled, True, mp, mesh)
     graphs: dict = {}
     fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
     losses = [[], []]
@@ -292,7 +294,7 @@ def _accumulation(mode: str, bf16: bool = False) -> dict:
         for step in range(2):
             for micro in range(3):
                 sync = micro == 2
-                model.set_requires_gradient_sync(sync)
+                (model.set_requires_all_reduce if hsdp else model.set_requires_gradient_sync)(sync)
                 use_compiled = i == 1 and (mode == "compiled" or (mode == "then_eager") != sync)
                 x, y = synthetic_batch(3 * step + micro, 4, 16, 101)
                 loss = loss_fn((fn if use_compiled else model)(x.chunk(w)[rank]), y.chunk(w)[rank])
@@ -310,50 +312,9 @@ def _accumulation(mode: str, bf16: bool = False) -> dict:
         "bw_graphs": len(graphs.get("bw", [])),
         "no_sync_bw_graphs": len(no_sync_bw),
         "no_sync_bw_ag": [_count(g, AG) for g in no_sync_bw],
-        "unsharded_grads_left": sum(fp.unsharded_param.grad is not None for g in compiled.layers[0]._get_fsdp_state().own
-                                    for fp in g.params),
-    }
-
-
-def _hsdp_deferred(mode: str) -> dict:
-    """HSDP (2, w/2): 2 steps of 3 micro-batches, the first two with the all-reduce deferred
-    (``set_requires_all_reduce(False)``): eager, against ``mode`` ("compiled", "then_eager": the
-    deferring ones compiled, the all-reducing one eager; "after_eager": the reverse)."""
-    from torch._dynamo.utils import counters
-    from torch.distributed.device_mesh import init_device_mesh
-
-    _fresh_compiler()
-    rank, w = world()
-    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    eager = llama64(LlamaConfig(n_layers=2))
-    compiled = copy.deepcopy(eager)
-    _shard(eager, True, mesh=mesh)
-    _shard(compiled, True, mesh=mesh)
-    graphs: dict = {}
-    fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
-    losses = [[], []]
-    for i, model in enumerate((eager, compiled)):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(2):
-            for micro in range(3):
-                last = micro == 2
-                model.set_requires_all_reduce(last)
-                use_compiled = i == 1 and (mode == "compiled" or (mode == "then_eager") != last)
-                x, y = synthetic_batch(3 * step + micro, 4, 16, 101)
-                loss = loss_fn((fn if use_compiled else model)(x.chunk(w)[rank]), y.chunk(w)[rank])
-                loss.backward()
-                losses[i].append(global_mean(loss))
-            opt.step()
-            opt.zero_grad()
-    ea, eb = _full(eager), _full(compiled)
-    bw = graphs.get("bw", [])
-    return {
-        "losses_equal": losses[0] == losses[1],
-        "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
-        "param_diff": max((ea[k].double() - eb[k].double()).abs().max().item() for k in ea),
-        "graphs": counters["stats"]["unique_graphs"],
-        "bw_ar_rs": sorted((_count(g, AR), _count(g, RS)) for g in bw),
+        "unsharded_grads_left": sum(fp.unsharded_param is not None and fp.unsharded_param.grad is not None
+                                    for g in compiled.layers[0]._get_fsdp_state().own for fp in g.params),
+        "bw_ar_rs": sorted((_count(g, AR), _count(g, RS)) for g in graphs.get("bw", [])),
         "partials_left": sum(fp.partial_reduce is not None for m in compiled.modules()
                              if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state().own for fp in g.params),
     }
@@ -368,7 +329,7 @@ def test_hsdp_all_reduce_deferred_compiled(ranks, world_size):
     modes = ["compiled", "then_eager", "after_eager"] if world_size == 2 else ["compiled"]
     rs = 3 if world_size == 4 else 0  # (a shard group of one rank reduce-scatters nothing)
     for mode in modes:
-        for r in ranks(world_size).run(_hsdp_deferred, mode):
+        for r in ranks(world_size).run(_accumulation, mode, False, True):
             print(f"world {world_size} {mode}: {r}")
             assert r["partials_left"] == 0, r
             if world_size == 2:
