@@ -160,10 +160,15 @@ def make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn.
 def _make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn.Module]]:
     torch.manual_seed(0)
     if kind == "llama":
+        hidden = int(args.dim * 8 / 3)
+        if getattr(args, "float8", False):  # float8 matmuls want dims in multiples of 16
+            hidden = -(-hidden // 256) * 256
         cfg = LlamaConfig(vocab_size=getattr(args, "vocab", DEFAULT_VOCAB), dim=args.dim, n_layers=args.layers,
-                          n_heads=getattr(args, "heads", DEFAULT_HEADS), hidden_dim=int(args.dim * 8 / 3),
+                          n_heads=getattr(args, "heads", DEFAULT_HEADS), hidden_dim=hidden,
                           max_seq_len=args.seq_len)
         model = Llama(cfg)
+        if getattr(args, "float8", False):
+            to_float8(model)
         return model, list(model.layers)
     if kind == "wide":  # few large layers: memory per collective dominates
         model = nn.Sequential(*[nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
@@ -172,6 +177,15 @@ def _make_model(kind: str, args: argparse.Namespace) -> tuple[nn.Module, list[nn
         model = nn.Sequential(*[Residual(args.dim) for _ in range(args.layers)])
         return model, list(model)
     raise ValueError(kind)
+
+
+def to_float8(model: nn.Module) -> None:
+    """torchao's float8 training for every Linear but the output projection (as torchtitan), with
+    the float8 all-gather: each weight's local tensor defines fsdp_pre_all_gather (docs/extensions.md)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn != "output")
 
 
 PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -408,6 +422,10 @@ def main() -> None:
     p.add_argument("--compile-collectives", action="append", default=[],
                    help="with --compile: also a row ours+model:NAME, the whole model compiled with "
                         "FSDPModule.compile(collectives=NAME) (repeatable; docs/compile.md)")
+    p.add_argument("--float8", action="store_true",
+                   help="llama: torchao float8 training (float8 all-gather) for every Linear but the output, "
+                        "for every implementation; the FFN width rounded up to a multiple of 256")
+    p.add_argument("--only", action="append", default=[], help="run only these rows (repeatable)")
     args = p.parse_args()
     defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
     args.dim = args.dim if args.dim is not None else defaults[0]
@@ -435,6 +453,10 @@ def main() -> None:
         names.insert(1, f"ours_in_flight_{n}")
     for n in args.bucket_bytes:
         names.insert(1, f"ours_bucket_{n}")
+    if args.only:
+        names = [n for n in names if n in args.only]
+    if args.float8 and args.model != "llama":
+        raise SystemExit("--float8 converts the llama model's Linear layers; use --model llama")
     if args.hsdp and (world < 4 or world % 2):
         raise SystemExit("--hsdp needs an even world size >= 4 (2 replicas of at least 2 shards)")
 
@@ -522,6 +544,8 @@ def report(names: list[str], args: argparse.Namespace, device: torch.device, wor
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
         shape = (f"Llama dim {args.dim}, {args.layers} blocks, {args.heads} heads, vocab {args.vocab} "
                  f"({size} params), global batch {args.batch}x{args.seq_len}")
+        if args.float8:
+            shape += ", torchao float8 Linears (float8 all-gather), FFN width rounded to 256"
     elif args.model == "wide":
         shape = f"{args.layers} x Linear({args.dim}, {args.dim}), global batch {args.batch}"
     else:

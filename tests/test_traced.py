@@ -6,6 +6,7 @@ for backward, nothing recompiles once warm, and eager and compiled use of one mo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -424,11 +425,10 @@ def _int8_codec(reshard: bool) -> dict:
         chosen = model.set_all_gather_codec(Int8AllGather())
     graphs: dict = {}
     fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
-    plan = [[(True, True)], [(False, True), (True, False)], [(False, False), (True, True)]]  # (sync, compiled)
     losses = [[], []]
     for i, model in enumerate((eager, compiled)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step, micro in enumerate(plan):
+        for step, micro in enumerate(_ACCUMULATING):
             for j, (sync, use_compiled) in enumerate(micro):
                 model.set_requires_gradient_sync(sync)
                 x, y = synthetic_batch(3 * step + j, 4, 16, 101)
@@ -485,6 +485,100 @@ def test_all_gather_codec_compiled_equals_eager(ranks, world_size, reshard):
             assert r["losses_equal"] and r["params_equal"], r
         else:
             assert r["param_diff"] <= TOL64, r
+
+
+# micro-batches per step, (gradient sync, compiled): step 0 compiled; step 1 a compiled micro-batch
+# without sync, then an eager synced one; step 2 the reverse (accumulation crosses eager / compiled)
+_ACCUMULATING = [[(True, True)], [(False, True), (True, False)], [(False, False), (True, True)]]
+
+
+def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: str = "capture") -> dict:
+    """A tensor subclass's all-gather extension under the whole-model compile, against eager
+    ``fully_shard`` with the same weights, micro-batches as `_ACCUMULATING`: "two", ``TwoTensor`` weights (PyTorch's test subclass,
+    whose pre hook reads its module's weight: the sharded parameter, as in eager); "float8",
+    torchao's float8 training weights (float8 bytes and an amax all-reduced in the pre hook)."""
+    from test_extensions import _two_tensor_extension, _two_tensor_mlp, float8_batch, float8_mlp, shard_blocks
+
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    rank, w = world()
+    with _two_tensor_extension(2) if kind == "two" else contextlib.nullcontext():
+        base = (_two_tensor_mlp() if kind == "two" else float8_mlp()).to(device)
+        eager, compiled = (shard_blocks(copy.deepcopy(base), fully_shard, reshard, device) for _ in range(2))
+        graphs: dict = {}
+        fn = torch.compile(compiled, backend=_capturing_backend(graphs) if backend == "capture" else backend,
+                           fullgraph=True)
+        losses: list[list[float]] = [[], []]
+        for i, model in enumerate((eager, compiled)):
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            for step, micro in enumerate(_ACCUMULATING):
+                for j, (sync, use_compiled) in enumerate(micro):
+                    model.set_requires_gradient_sync(sync)
+                    seed = 3 * step + j
+                    x = float8_batch(seed) if kind == "float8" else torch.randn(
+                        4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+                    loss = (fn if i == 1 and use_compiled else model)(x.to(device).chunk(w)[rank]).square().mean()
+                    loss.backward()
+                    losses[i].append(loss.item() if kind == "float8" else loss.a.item())
+                opt.step()
+                opt.zero_grad()
+        equal, diff = [], 0.0
+        for a, b in zip(eager.parameters(), compiled.parameters()):
+            fa, fb = a.full_tensor(), b.full_tensor()
+            equal.append(torch.equal(fa.a, fb.a) and torch.equal(fa.b, fb.b) if kind == "two" else torch.equal(fa, fb))
+            diff = max(diff, (fa.a - fb.a).abs().max().item() if kind == "two" else (fa - fb).abs().max().item())
+        local_type = type(compiled[0][0].weight.to_local()).__name__
+    if not graphs:  # a real backend: no graphs to read
+        return {"equal": equal, "param_diff": diff, "losses": losses, "graphs": counters_graphs(),
+                "local_type": local_type}
+    # Each group's row: per weight what its pre hook sends (TwoTensor: both float64 halves; float8:
+    # one byte a value), each piece padded to 16 bytes.
+    expected = []
+    for module in (compiled, compiled[0], compiled[1]):
+        total = 0
+        for fp in module._get_fsdp_state().group.params:
+            layout = fp.where.layout
+            piece = layout.rows * (layout.shape.numel() // layout.shape[0]) * (8 if kind == "two" else 1)
+            total += (2 if kind == "two" else 1) * (piece + (-piece % 16))
+        expected.append(total)
+    fw, bw = graphs["fw"][0], graphs["bw"][0]
+    rows = [n.args[0].meta["val"] for n in fw.graph.nodes if str(n.target) == AG]
+    return {
+        "equal": equal,
+        "graphs": counters_graphs(),
+        "local_type": local_type,
+        "fw_ag": _count(fw, AG), "bw_rs": _count(bw, RS), "bw_ag": _count(bw, AG),
+        "row_bytes": sorted(t.numel() for t in rows) if w > 1 else None,
+        "row_dtypes": sorted({str(t.dtype) for t in rows}),
+        "expected_row_bytes": sorted(expected) if w > 1 else None,
+    }
+
+
+@pytest.mark.parametrize("kind,world_size,reshard", [
+    ("two", 1, True), ("two", 2, True), ("two", 2, False), ("two", 4, True),
+    ("float8", 1, True), ("float8", 2, True), ("float8", 4, True),
+])
+def test_tensor_subclass_extension_compiled_equals_eager(ranks, kind, world_size, reshard):
+    """``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` of the weights' tensor subclass under
+    the whole-model compile: the pre hook in the forward graph, the group's row as bytes in one
+    all-gather (exact sizes), the post hook rebuilds the subclass weight; its gradient reaches the
+    reduce-scatter as eager's does (accumulated without sync too, across eager and compiled
+    micro-batches). Equal to eager to the bit."""
+    if kind == "float8":
+        pytest.importorskip("torchao.float8")
+    for r in ranks(world_size).run(_subclass_compiled, kind, reshard):
+        print(f"{kind} world {world_size} reshard={reshard}: {r}")
+        # graphs: with sync, without, with sync again once an eager micro-batch gave the root its context
+        assert r["graphs"] == 3 and r["fw_ag"] == (3 if world_size > 1 else 0), r
+        # backward regathers the resharded groups whose weights it needs: the root (its default
+        # reshards) and, resharding, the second block; the first block's weight only meets the input,
+        # which needs no gradient, so its gradient needs no weight.
+        regathered = 2 if reshard else 1
+        assert r["bw_rs"] == (3 if world_size > 1 else 0) and r["bw_ag"] == (regathered if world_size > 1 else 0), r
+        if world_size > 1:
+            assert r["row_dtypes"] == ["torch.uint8"] and r["row_bytes"] == r["expected_row_bytes"], r
+        assert all(r["equal"]) and len(r["equal"]) == 3, r
 
 
 def _graph_outputs() -> list[int]:
@@ -678,12 +772,17 @@ def test_a_bad_collectives_setting_is_refused_with_the_fix(ranks):
     assert default_with_mode == "no error", default_with_mode
 
 
-def _refused(form: str) -> tuple[str, str]:
+def _refused(form: str, what: str = "hook") -> tuple[str, str]:
+    from test_extensions import _patch_rows_extension
+
     _fresh_compiler()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1))
     _shard(model, True)
-    model.layers[0].set_all_reduce_hook(lambda grad: None)  # a block's setting: the root's own is fine
+    if what == "hook":
+        model.layers[0].set_all_reduce_hook(lambda grad: None)  # a block's setting: the root's own is fine
+    else:  # extension methods set on the block's weights' local tensors (not their class)
+        _patch_rows_extension(model.layers[0])
     if form == "wrap":
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     elif form == "step":  # a compiled training-step function: the hooks run inside its trace
@@ -714,6 +813,18 @@ def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks, form):
         assert f"traces module {where} as part of a whole compiled model" in message, message
         assert "does not support an all-reduce hook (set_all_reduce_hook) yet" in message, message
         assert "block.compile()" in message, message
+
+
+@pytest.mark.parametrize("form", ["wrap", "step"])
+def test_extension_methods_set_on_a_tensor_instance_are_refused_when_traced(ranks, form):
+    """Dynamo sees a traced tensor's class, not methods set on the instance: those would be
+    silently skipped, so they are refused (read outside the trace), naming the parameter and the
+    fix; methods of a tensor subclass work (`test_tensor_subclass_extension_compiled_equals_eager`)."""
+    for kind, message in ranks(1).run(_refused, form, "instance"):
+        where = "FSDPTransformerBlock" if form == "step" else "layers.0"  # as in the test above
+        assert f"traces module {where} as part of a whole compiled model" in message, (kind, message)
+        assert "extension methods set on the tensor instance of attention_norm.weight" in message, message
+        assert "defined on a tensor subclass" in message and "block.compile()" in message, message
 
 
 @pytest.mark.parametrize("form", ["wrap", "step"])

@@ -45,6 +45,53 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
             return None
         pre_fn, post_fn = codec.pre_all_gather, codec.post_all_gather
         return Hooks(functools.partial(pre_fn, local), functools.partial(post_fn, local), True, codec)
+    return _checked(pre, post, local, fqn, _arity(pre))
+
+
+def class_hooks(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
+    """`hooks_of` as the traced path reads it: the methods of the local tensor's *class*, bound to
+    ``local`` (dynamo sees a traced tensor's class, not methods set on the instance, which
+    `instance_methods` finds outside the trace), else the codec's."""
+    cls = type(local)
+    if not (hasattr(cls, _PRE) or hasattr(cls, _POST)):  # (dynamo: getattr's default is not heeded)
+        return hooks_of(local, codec, fqn) if codec is not None else None
+    pre, post = getattr(cls, _PRE, None), getattr(cls, _POST, None)
+    code = getattr(pre, "__code__", None)  # (no inspect in a trace): the parameters after self
+    arity = code.co_argcount - 1 if code is not None else _arity(functools.partial(pre, local))
+    bind = functools.partial
+    return _checked(pre and bind(pre, local), post and bind(post, local), local, fqn, arity)
+
+
+def rebind(hooks: Hooks, local: torch.Tensor) -> Hooks:
+    """``hooks`` (a codec's or a class's) called on ``local`` instead: the traced shard."""
+    src = hooks.source
+    if isinstance(src, type):
+        pre, post = getattr(src, _PRE), getattr(src, _POST)
+    else:
+        pre, post = src.pre_all_gather, src.post_all_gather
+    return Hooks(functools.partial(pre, local), functools.partial(post, local), hooks.full_signature, src)
+
+
+def instance_methods(local: torch.Tensor) -> bool:
+    """Whether extension methods were set on the tensor instance (not its class)."""
+    for name in EXTENSION_METHODS:
+        if name in getattr(local, "__dict__", {}):
+            return True
+    return False
+
+
+def _arity(pre: Callable[..., Any]) -> int:
+    key = getattr(pre, "__func__", pre)
+    try:
+        return _ARITY[key]
+    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (a builtin)
+        arity = len(inspect.signature(pre).parameters)
+        with contextlib.suppress(TypeError):
+            _ARITY[key] = arity
+        return arity
+
+
+def _checked(pre: Any, post: Any, local: torch.Tensor, fqn: str, arity: int) -> Hooks:
     if pre is None or post is None:
         raise TypeError(
             f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} "
@@ -52,13 +99,6 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
             "gathered, the other rebuilds the unsharded parameter from it. Fix: define the missing method "
             "(PyTorch's signatures)."
         )
-    key = getattr(pre, "__func__", pre)
-    try:
-        arity = _ARITY[key]
-    except (KeyError, TypeError):  # not seen yet, or not weak-referenceable (a builtin)
-        arity = len(inspect.signature(pre).parameters)
-        with contextlib.suppress(TypeError):
-            _ARITY[key] = arity
     if arity not in (1, 5):
         raise TypeError(
             f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "

@@ -18,8 +18,10 @@ tensor-parallel parameter's TP-local tensor is gathered and wrapped as the DTens
 expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does. An
 offloaded (``CPUOffloadPolicy``) shard is copied to the mesh's device in the gather, its gradient
 back to the host in the reduction.
-An all-gather codec (``set_all_gather_codec``) encodes each shard in the graph and decodes the
-gathered bytes (`_gather_encoded`); the gradient passes straight through, as eager's.
+An all-gather extension (a tensor subclass's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``,
+e.g. torchao's float8 weights, or a codec from ``set_all_gather_codec``) runs in the graph: its pre
+hook encodes each shard (`_encode`), the group's row travels as bytes (`_gather_encoded`), its post
+hook rebuilds the parameter (`_decode`); the gradient passes straight through, as eager's.
 
 Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
 guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
@@ -38,6 +40,7 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -47,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
-from .extension import EXTENSION_METHODS, _pad_rows, _unpack
+from .extension import _pad_rows, _unpack, class_hooks, instance_methods, rebind
 from .lifecycle import IterationPhase, TrainingPhase
 from .state import _cast_floats, fsdp_states
 
@@ -108,10 +111,14 @@ def traced_param(module: nn.Module, name: str) -> Any:
             if gathered is None:  # made inside the graph: a dict from before it, written here, would
                 gathered = state._traced = {}  # make every gathered parameter a graph output
             if id(fp) not in gathered:
+                if gathered.get("gathering") is fp.group:  # an extension's pre hook reading the
+                    return module._parameters[name]  # module: the sharded parameter, as in eager
                 group, setting = fp.group, state.settings.reshard_after_forward
                 reshard = setting if type(setting) is int else setting is not False
+                gathered["gathering"] = group
                 for p, full in zip(group.params, gather_group(group, reshard)):
                     gathered[id(p)] = full
+                gathered["gathering"] = None
             return gathered[id(fp)]
     return module._parameters[name]
 
@@ -133,6 +140,7 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
     by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
     for fp, place in places:
+        _PARAMS[id(fp)] = fp
         if not fp.where.info.plain:  # plain parameters are refused while tracing (`refuse_untraceable`)
             by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
     state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
@@ -147,6 +155,7 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
         module.__class__ = traced_class(base, tuple(sorted(table)))
 
 
+@torch.compiler.disable  # plain Python, its callees too: dynamo would compile each as a frame
 def refuse_untraceable_tree(state: Any) -> None:
     """`refuse_untraceable` for every state under ``state``'s modules, outside any trace (the
     root's hook objects of ``torch.compile(model)``, ``FSDPModule.compile``'s first call): inside a
@@ -158,18 +167,27 @@ def refuse_untraceable_tree(state: Any) -> None:
     for s, path in fsdp_states(state.modules).items():  # paths below ``state``, which may be a block
         full = (
             f"{prefix}.{path}" if prefix and path else prefix or path
-        )  # (no generator: see `_has_extension`)
+        )  # (no generator: dynamo, running over a frame it left eager, refuses generator frames)
         refuse_untraceable(s, f"module {full}" if full else f"module {type(s.modules[0]).__name__}")
     state._tree_traceable = True
 
 
-def _has_extension(fp: Any) -> bool:
-    """Whether the local shard brings its own all-gather extension (a tensor subclass's methods).
-    A loop, not a generator: dynamo, running over a frame it left eager, refuses generator frames."""
-    for method in EXTENSION_METHODS:
-        if hasattr(fp.local_shard, method):
-            return True
-    return False
+# id -> FSDPParam (`install`): what `_instance_methods_of` reads when dynamo calls it
+_PARAMS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+
+
+def _instance_methods(fp: Any) -> bool:
+    """`extension.instance_methods` of the parameter's shard, read outside any trace: a traced
+    tensor's ``__dict__`` is out of dynamo's reach."""
+    if torch.compiler.is_compiling():
+        return _instance_methods_of(id(fp))  # (torch 2.11 passes only constants to such calls)
+    return instance_methods(fp.local_shard)
+
+
+@torch.compiler.assume_constant_result
+def _instance_methods_of(key: int) -> bool:
+    fp = _PARAMS.get(key)
+    return fp is not None and instance_methods(fp.local_shard)
 
 
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
@@ -188,8 +206,9 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
             unsupported += [
                 (where.info.plain, "replicate(plain_params=True)"),
                 (
-                    _has_extension(fp),
-                    "an all-gather extension (fsdp_pre_all_gather)",
+                    _instance_methods(fp),
+                    f"all-gather extension methods set on the tensor instance of {fp.path} (defined on "
+                    "a tensor subclass, fsdp_pre_all_gather / fsdp_post_all_gather are supported)",
                 ),
             ]
     for bad, what in unsupported:
@@ -301,7 +320,11 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
         # DTensor on the TP mesh, as eager's unsharded gradient)
         local = [_local(t) for t in inputs]
-        fulls = _GatherGroup.apply(plan, *local)
+        encoded = _encode(plan, local[: len(params)]) if any(plan.extensions) else []
+        counts = tuple(len(spec[2]) if spec is not None else 0 for spec in encoded)
+        sent = [t for spec in encoded if spec is not None for t in spec[2]]
+        outputs = _GatherGroup.apply(plan, counts, *local, *sent)
+        fulls = _decode(plan, outputs, encoded) if encoded else outputs
         return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
     inputs = (*shards, *accumulators, *pending, *leaves, *partials)
@@ -374,7 +397,7 @@ def prepare_no_sync(state: Any) -> None:
     for group in state.own:
         for fp in group.params:
             where = fp.where
-            traceable = not (where.info.plain or _has_extension(fp))
+            traceable = not where.info.plain
             if fp.requires_grad and traceable:
                 fp.ensure_unsharded_param()
 
@@ -414,25 +437,23 @@ class _Plan:
         self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
         self.requires_grad = [fp.requires_grad for fp in params]
         self.sync = s.requires_gradient_sync
-        # an all-gather codec's (set_all_gather_codec) pre hook and post hook, per parameter
-        self.codecs = [_codec_calls(fp) for fp in params]
+        # per parameter, its all-gather extension's hooks (a tensor subclass's, or a codec's)
+        self.extensions = [_extension_calls(fp) for fp in params]
         self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
 
 
-def _codec_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
-    """A parameter's codec and the arguments after the shard its pre hook takes (as eager's
-    `FSDPParam.extension_inputs`), or None."""
-    codec = fp.codec
-    if codec is None:
+def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
+    """A parameter's all-gather extension (`extension.class_hooks`: its local tensor's class's
+    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, else its codec) and the arguments after the
+    shard its pre hook takes (as eager's `FSDPParam.extension_inputs`), or None."""
+    hooks = class_hooks(fp.local_shard, fp.codec, fp.path)
+    if hooks is None:
         return None
     layout = fp.where.layout
     if layout.dim != 0 or fp.where.view is not None:
-        raise ValueError(
-            f"parameter {fp.path} has an all-gather codec and is sharded on dim {fp.shard_dim}; codecs "
-            "gather dim-0 shards. Fix: return Shard(0) (or None) for it from shard_placement_fn."
-        )
+        fp.resolve_extension()  # raises: extensions gather dim-0 shards (the message names the fix)
     pre_args = (fp.where.info.shard_mesh, layout.shape, contiguous_stride(layout.shape), fp.places[0].module)
-    return codec, (*pre_args, fp.dtypes.policy)
+    return hooks, (*pre_args, fp.dtypes.policy) if hooks.full_signature else pre_args[:1]
 
 
 def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
@@ -451,50 +472,91 @@ def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
 _ALIGN = 16  # bytes: each piece of an encoded row starts aligned for any dtype's view
 
 
-def _gather_encoded(plan: "_Plan", shards: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """A group with codecs: each rank's row holds, per parameter, its codec's inputs (the pre hook
-    on the shard, rows padded as eager's) or its shard cast and padded, as bytes; one all-gather;
-    each codec's post hook rebuilds its parameter (the gradient passes straight through, as eager)."""
+def _encode(plan: "_Plan", shards: list[torch.Tensor]) -> list[Optional[tuple[Any, Any, list[torch.Tensor]]]]:
+    """Per parameter, None or, with an extension (`_extension_calls`): its hooks bound to the traced
+    shard (on the device, as eager's), the pre hook's metadata and what it sends, rows padded as
+    eager's. Outside `_GatherGroup`, as `_decode`: what the hooks make carries no gradient, and a
+    tensor subclass leaving the function would make dynamo trace its backward on that subclass."""
+    encoded: list[Optional[tuple[Any, Any, list[torch.Tensor]]]] = []
+    for local, layout, host, calls, path in zip(shards, plan.layouts, plan.hosts, plan.extensions, plan.paths):
+        if calls is None:
+            encoded.append(None)
+            continue
+        hooks, pre_args = calls
+        hooks = rebind(hooks, local.to(plan.device) if host is not None else local)
+        returned, metadata = _unpack(hooks.pre(*pre_args), path)
+        encoded.append(
+            (hooks, metadata, [_pad_rows(t, layout.local_rows, layout.rows, path) for t in returned])
+        )
+    return encoded
+
+
+def _gather_encoded(
+    plan: "_Plan", shards: list[torch.Tensor], counts: tuple[int, ...], sent: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """A group with extensions: each rank's row holds, per parameter, what its extension sends
+    (`_encode`) or its shard cast and padded, as bytes; one all-gather. Returns per parameter its
+    unsharded tensor, or for an extension's a zero-stride stand-in whose gradient is the rebuilt
+    parameter's (`_decode`); then every extension's gathered outputs, in `_encode`'s order."""
     pieces: list[torch.Tensor] = []
-    decoded: list[Any] = []  # per parameter: None, or (codec, shard, metadata, input shapes and dtypes)
-    for local, layout, calls, fp_path in zip(shards, plan.layouts, plan.codecs, plan.paths):
+    received: list[list[tuple[torch.Size, torch.dtype]]] = []
+    it = iter(sent)
+    for local, layout, calls, count in zip(shards, plan.layouts, plan.extensions, counts):
         if calls is None:  # as `_GatherGroup.forward`'s buffer
             t = local.to(plan.param_dtype).movedim(layout.dim, 0)
             if layout.rows > layout.local_rows:
                 t = torch.cat([t, t.new_zeros((layout.rows - layout.local_rows, *layout.moved_shape[1:]))])
-            inputs, spec = [t], None
+            inputs = [t]
         else:
-            codec, pre_args = calls
-            returned, metadata = _unpack(codec.pre_all_gather(local, *pre_args), fp_path)
-            inputs = [_pad_rows(t, layout.local_rows, layout.rows, fp_path) for t in returned]
-            spec = (codec, local, metadata, [(t.shape, t.dtype) for t in inputs])
-        decoded.append(spec)
+            inputs = [next(it) for _ in range(count)]
+        received.append([(t.shape, t.dtype) for t in inputs])
         for t in inputs:
             b = t.reshape(-1).view(torch.uint8)
             pad = -b.numel() % _ALIGN
             pieces.append(torch.cat([b, b.new_zeros(pad)]) if pad else b)
     per_rank = _all_gather(plan, torch.cat(pieces))
-    fulls, offset = [], 0
-    for layout, view, spec in zip(plan.layouts, plan.views, decoded):
-        sizes = (
-            [(torch.Size((layout.rows, *layout.moved_shape[1:])), plan.param_dtype)]
-            if spec is None
-            else spec[3]
-        )
+    fulls, gathered, offset = [], [], 0
+    for local, layout, view, calls, sizes in zip(shards, plan.layouts, plan.views, plan.extensions, received):
         outputs = []
         for shape, dtype in sizes:  # each piece's bytes of every rank, as its dtype, ranks' rows stacked
             nbytes = shape.numel() * dtype.itemsize
             outputs.append(per_rank[:, offset : offset + nbytes].reshape(-1).view(dtype).view(-1, *shape[1:]))
             offset += nbytes + (-nbytes % _ALIGN)
-        if spec is None:
+        if calls is None:
             full = outputs[0][: layout.moved_shape[0]]
             full = full.view(view) if view is not None else full
             fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
-        else:  # (dim 0 only: `_codec_calls`)
-            codec, local, metadata, _ = spec
-            full, _ = codec.post_all_gather(local, tuple(outputs), metadata, plan.param_dtype)
-            fulls.append(full.reshape(-1)[: layout.shape.numel()].view(layout.shape).clone())
-    return tuple(fulls)
+        else:
+            fulls.append(local.new_zeros((), dtype=plan.param_dtype).expand(layout.shape))
+            gathered += [o.clone() for o in outputs]  # each its own storage, as eager's outputs
+    return (*fulls, *gathered)
+
+
+def _decode(plan: "_Plan", outputs: tuple[torch.Tensor, ...], encoded: list[Any]) -> list[torch.Tensor]:
+    """Each extension's post hook rebuilds its parameter from the gathered outputs (dim 0 only:
+    `_extension_calls`); its gradient goes straight to the stand-in `_gather_encoded` returned."""
+    n = len(encoded)
+    fulls, gathered = list(outputs[:n]), iter(outputs[n:])
+    for i, (spec, layout) in enumerate(zip(encoded, plan.layouts)):
+        if spec is not None:
+            hooks, metadata, sent = spec
+            full, _ = hooks.post(tuple(next(gathered) for _ in sent), metadata, plan.param_dtype)
+            if full.shape != layout.shape:  # the padding rows cut off (as eager's, by as_strided)
+                full = torch.as_strided(full, layout.shape, contiguous_stride(layout.shape), 0)
+            fulls[i] = _Rebuilt.apply(fulls[i], full)
+    return fulls
+
+
+class _Rebuilt(torch.autograd.Function):
+    """An extension's rebuilt parameter, its gradient passed to the stand-in, untouched."""
+
+    @staticmethod
+    def forward(ctx: Any, stand_in: torch.Tensor, rebuilt: torch.Tensor) -> torch.Tensor:
+        return rebuilt
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _GatherGroup(torch.autograd.Function):
@@ -502,20 +564,25 @@ class _GatherGroup(torch.autograd.Function):
     functional all-gather, each parameter cut out. Backward: the eager reduction."""
 
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, *inputs: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, plan: _Plan, counts: tuple[int, ...], *inputs: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
         # inputs, n of each: the local shards; per parameter its accumulator (without sync), the
         # gradient accumulated without sync to add in backward, its partial leaf (HSDP all-reduce
         # deferred) and the deferred sums to add before the all-reduce (each None where none)
         n = len(plan.layouts)
-        shards, pending, partials = inputs[:n], inputs[2 * n : 3 * n], inputs[4 * n :]
-        ctx.plan = plan
+        shards, pending, partials = inputs[:n], inputs[2 * n : 3 * n], inputs[4 * n : 5 * n]
+        ctx.plan, ctx.sent = plan, len(inputs) - 5 * n  # then what extensions send (`_encode`)
         ctx.pending = [p is not None for p in pending]
         ctx.partials = [p is not None for p in partials]
         ctx.save_for_backward(*(p for p in (*pending, *partials) if p is not None))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
-        if any(plan.codecs):  # (a codec reads the shard in its own dtype)
-            return _gather_encoded(plan, [local.to(plan.device, non_blocking=True) for local in shards])
+        if any(plan.extensions):
+            local = [t.to(plan.device, non_blocking=True) for t in shards]
+            outputs = _gather_encoded(plan, local, counts, inputs[5 * n :])
+            ctx.mark_non_differentiable(*outputs[n:])
+            return outputs
         shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
         if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
             return tuple(  # (torch 2.11 refuses those)
@@ -548,10 +615,10 @@ class _GatherGroup(torch.autograd.Function):
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         plan = ctx.plan
         n = len(plan.layouts)
-        none = [None] * n
+        none, sent = [None] * n, [None] * ctx.sent
         if not plan.sync:  # to the unsharded parameters' .grad, unreduced (autograd sums them)
             kept = [g if trainable else None for g, trainable in zip(grads, plan.requires_grad)]
-            return (None, *none, *kept, *none, *none, *none)
+            return (None, None, *none, *kept, *none, *none, *none, *sent)
         saved = iter(ctx.saved_tensors)
         grads = tuple(
             (next(saved) + g if g is not None else next(saved)) if has else g
@@ -559,7 +626,7 @@ class _GatherGroup(torch.autograd.Function):
         )
         partials = [next(saved) if has else None for has in ctx.partials]
         if all(g is None for g in grads) and not any(ctx.partials):
-            return (None,) * (1 + 5 * n)
+            return (None,) * (2 + 5 * n + ctx.sent)
         dtype = plan.reduce_dtype
         device = next(t.device for t in (*grads, *partials) if t is not None)
         inputs = [
@@ -571,7 +638,13 @@ class _GatherGroup(torch.autograd.Function):
             for g, layout, view in zip(grads, plan.layouts, plan.views)
         ]
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
-        rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)
+        if any(plan.extensions):  # an extension's gradient may be a subclass: into a plain tensor, as eager
+            slot = sum(layout.shard_numel for layout in plan.layouts)
+            rs_input = torch.empty((plan.world, slot), dtype=dtype, device=device)
+            torch._chunk_cat(inputs, dim=0, num_chunks=plan.world, out=rs_input)  # (returns the subclass)
+            rs_input = rs_input.view(-1)
+        else:
+            rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)
         if plan.before != 1:
             rs_input = rs_input / plan.before
         if plan.world > 1:
@@ -584,14 +657,14 @@ class _GatherGroup(torch.autograd.Function):
                 piece if trainable and (g is not None) else None
                 for piece, g, trainable in zip(out.split(slots), grads, plan.requires_grad)
             ]
-            return (None, *none, *none, *none, *kept, *none)
+            return (None, None, *none, *none, *none, *kept, *none, *sent)
         if any(ctx.partials):  # the sums deferred by earlier backwards, added slot by slot
             out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, slots)])
         if plan.replicate_group is not None:
             out = funcol.wait_tensor(funcol.all_reduce(out, "sum", plan.replicate_group))
         if plan.after != 1:
             out = out / plan.after
-        result: list[Optional[torch.Tensor]] = [None]  # the plan
+        result: list[Optional[torch.Tensor]] = [None, None]  # the plan, the counts
         offset = 0
         for i, (grad, partial, layout) in enumerate(zip(grads, partials, plan.layouts)):
             piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
@@ -605,4 +678,4 @@ class _GatherGroup(torch.autograd.Function):
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece if trainable and (grad is not None or partial is not None) else None)
-        return (*result, *none, *none, *none, *none)
+        return (*result, *none, *none, *none, *none, *sent)
