@@ -478,7 +478,9 @@ def _encode(plan: "_Plan", shards: list[torch.Tensor]) -> list[Optional[tuple[An
     eager's. Outside `_GatherGroup`, as `_decode`: what the hooks make carries no gradient, and a
     tensor subclass leaving the function would make dynamo trace its backward on that subclass."""
     encoded: list[Optional[tuple[Any, Any, list[torch.Tensor]]]] = []
-    for local, layout, host, calls, path in zip(shards, plan.layouts, plan.hosts, plan.extensions, plan.paths):
+    for local, layout, host, calls, path in zip(
+        shards, plan.layouts, plan.hosts, plan.extensions, plan.paths
+    ):
         if calls is None:
             encoded.append(None)
             continue
