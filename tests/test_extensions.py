@@ -69,14 +69,19 @@ def _two_tensor_extension(version: int) -> Iterator[None]:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
 
 
-def _two_tensor_mlp() -> nn.Module:
-    """Weights as TwoTensors (no biases: a plain parameter's gradient through a TwoTensor output
-    would be a TwoTensor); dims divide by 2, as PyTorch needs its extensions to pad otherwise."""
+def three_linears() -> nn.Module:
+    """Two blocks and a last Linear, float64, no biases (8 -> 6 -> 4 -> 2)."""
     torch.manual_seed(0)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Sequential(nn.Linear(8, 6, bias=False), nn.ReLU()), nn.Sequential(nn.Linear(6, 4, bias=False), nn.Tanh()),
         nn.Linear(4, 2, bias=False),
     ).double()
+
+
+def _two_tensor_mlp() -> nn.Module:
+    """Weights as TwoTensors (no biases: a plain parameter's gradient through a TwoTensor output
+    would be a TwoTensor); dims divide by 2, as PyTorch needs its extensions to pad otherwise."""
+    model = three_linears()
     for m in model.modules():
         if isinstance(m, nn.Linear):
             m.weight = nn.Parameter(TwoTensor(m.weight.detach().clone(), m.weight.detach() * 2))

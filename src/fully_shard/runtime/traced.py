@@ -545,12 +545,16 @@ def _decode(plan: "_Plan", outputs: tuple[torch.Tensor, ...], encoded: list[Any]
             full, _ = hooks.post(tuple(next(gathered) for _ in sent), metadata, plan.param_dtype)
             if full.shape != layout.shape:  # the padding rows cut off (as eager's, by as_strided)
                 full = torch.as_strided(full, layout.shape, contiguous_stride(layout.shape), 0)
-            fulls[i] = _Rebuilt.apply(fulls[i], full)
+            if type(full) is torch.Tensor:  # a codec's: the stand-in's zeros added, its gradient the
+                fulls[i] = full.detach() + fulls[i]  # sum's (an identity function's output would be
+            else:  # saved for backward, not recomputed: gathered weights kept alive between passes)
+                fulls[i] = _Rebuilt.apply(fulls[i], full)
     return fulls
 
 
 class _Rebuilt(torch.autograd.Function):
-    """An extension's rebuilt parameter, its gradient passed to the stand-in, untouched."""
+    """A tensor subclass rebuilt by its post hook, its gradient passed to the stand-in, untouched
+    (adding the stand-in would dispatch on the subclass)."""
 
     @staticmethod
     def forward(ctx: Any, stand_in: torch.Tensor, rebuilt: torch.Tensor) -> torch.Tensor:
