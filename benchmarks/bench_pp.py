@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from llama_model import loss_fn  # noqa: E402
 from teardown import shutdown  # noqa: E402
 from textdata import Batches, load_corpus  # noqa: E402
-from train_pp_fsdp import SCHEDULES, build_stages, count_collectives  # noqa: E402
+from train_pp_fsdp import SCHEDULES, build_stages, count_collectives, virtual_stages  # noqa: E402
 
 
 class Impl:
@@ -63,7 +63,7 @@ class Impl:
                 from fully_shard.pipelining import PipelineStage
             else:
                 from torch.distributed.pipelining import PipelineStage
-        sched_name, virtual = SCHEDULES[args.schedule]
+        sched_name, virtual = SCHEDULES[args.schedule][0], virtual_stages(args)
         self.dp_rank, self.dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         modules, stages = build_stages(args, mesh, device, fully_shard, PipelineStage)
         cls = getattr(pipelining, sched_name)
@@ -86,6 +86,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--virtual", type=int, default=None, help="stages per rank for interleaved / zb (default 2)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
@@ -176,7 +177,8 @@ def main() -> None:
                      max(c[0] for c in cnt), max(c[1] for c in cnt)))
     if rank == 0:
         base = {r[0]: r for r in rows}["torch"]
-        lines = [f"world {world} (pp={args.pp}, dp={world // args.pp}), {SCHEDULES[args.schedule][0]}, "
+        lines = [f"world {world} (pp={args.pp}, dp={world // args.pp}), {SCHEDULES[args.schedule][0]} "
+                 f"({virtual_stages(args)} stages per rank), "
                  f"{args.microbatches} micro-batches, Llama dim {args.dim} x {args.layers} blocks, batch "
                  f"{args.batch}x{args.seq_len}, {args.rounds} rounds x {args.steps_per_round} steps, torch {torch.__version__}, "
                  f"{torch.cuda.get_device_name(device) if gpu else 'CPU/gloo'}\n",

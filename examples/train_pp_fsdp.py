@@ -10,7 +10,7 @@ gathers each block once and reduces it once, whatever the number of micro-batche
 live on the first and the last stage). Prints the loss (bits per byte) and, with ``--count``, the
 data-parallel collectives of each step on rank 0.
 
-Options: --pp P (divides the world size) --schedule {gpipe,1f1b,interleaved,zb,zbv} --microbatches M
+Options: --pp P (divides the world size) --schedule {gpipe,1f1b,interleaved,zb,zbv} [--virtual V] --microbatches M
          --steps N --batch B (global) --seq-len S --dim D --layers L --lr LR --device {auto,cpu,cuda}
          --count --max-bytes N --fp64
 """
@@ -69,13 +69,23 @@ class LlamaStage(nn.Module):
         return h
 
 
-def stage_indices(schedule: str, pp_rank: int, pp: int) -> list[int]:
+def virtual_stages(args: argparse.Namespace) -> int:
+    """Stages per pipeline rank: the schedule's, or ``--virtual`` (interleaved schedules)."""
+    virtual = getattr(args, "virtual", None)
+    if virtual is None:
+        return SCHEDULES[args.schedule][1]
+    if args.schedule not in ("interleaved", "zb") or virtual < 2:
+        raise SystemExit("--virtual (2 or more stages per rank) is for --schedule interleaved or zb")
+    return virtual
+
+
+def stage_indices(schedule: str, pp_rank: int, pp: int, virtual: int) -> list[int]:
     """Which of the ``pp * virtual`` stages this pipeline rank holds."""
-    if SCHEDULES[schedule][1] == 1:
+    if virtual == 1:
         return [pp_rank]
     if schedule == "zbv":  # the V: down the ranks, then back up
         return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank, pp_rank + pp]
+    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def build_stages(args: argparse.Namespace, mesh, device: torch.device, shard, stage_cls) -> tuple[list, list]:
@@ -83,7 +93,8 @@ def build_stages(args: argparse.Namespace, mesh, device: torch.device, shard, st
     "dp" (``reshard_after_forward=False``), and a ``stage_cls`` for each (ours, or PyTorch's
     ``fully_shard`` and ``PipelineStage``: benchmarks/bench_pp.py). Built from the same seed on
     every rank; the embedding and output projection untied."""
-    n_stages = args.pp * SCHEDULES[args.schedule][1]
+    virtual = virtual_stages(args)
+    n_stages = args.pp * virtual
     cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4, hidden_dim=2 * args.dim,
                       max_seq_len=args.seq_len)
     torch.manual_seed(0)
@@ -92,7 +103,7 @@ def build_stages(args: argparse.Namespace, mesh, device: torch.device, shard, st
     model.to(device, torch.float64 if getattr(args, "fp64", False) else None)
     per_stage = args.layers // n_stages
     modules, stages = [], []
-    for s in stage_indices(args.schedule, mesh["pp"].get_local_rank(), args.pp):
+    for s in stage_indices(args.schedule, mesh["pp"].get_local_rank(), args.pp, virtual):
         module = LlamaStage(model, range(s * per_stage, (s + 1) * per_stage), s == 0, s == n_stages - 1)
         for layer in module.layers:
             shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
@@ -124,6 +135,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--virtual", type=int, default=None, help="stages per rank for interleaved / zb (default 2)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences): dp x microbatches x n")
     p.add_argument("--seq-len", type=int, default=64)
@@ -137,7 +149,7 @@ def main() -> None:
     args = p.parse_args()
     device = setup(args.device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    name, virtual = SCHEDULES[args.schedule]
+    name, virtual = SCHEDULES[args.schedule][0], virtual_stages(args)
     n_stages = args.pp * virtual
     if world % args.pp:
         raise SystemExit(f"--pp {args.pp} must divide the world size {world}")
