@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--virtual", type=int, default=None, help="stages per rank for interleaved / zb (default 2)")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="interleaved / zb: stages per pipeline rank (default 2)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)

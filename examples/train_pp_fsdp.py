@@ -10,7 +10,7 @@ gathers each block once and reduces it once, whatever the number of micro-batche
 live on the first and the last stage). Prints the loss (bits per byte) and, with ``--count``, the
 data-parallel collectives of each step on rank 0.
 
-Options: --pp P (divides the world size) --schedule {gpipe,1f1b,interleaved,zb,zbv} [--virtual V] --microbatches M
+Options: --pp P (divides the world size) --schedule {gpipe,1f1b,interleaved,zb,zbv} [--stages-per-rank V] --microbatches M
          --steps N --batch B (global) --seq-len S --dim D --layers L --lr LR --device {auto,cpu,cuda}
          --count --max-bytes N --fp64
 """
@@ -70,12 +70,12 @@ class LlamaStage(nn.Module):
 
 
 def virtual_stages(args: argparse.Namespace) -> int:
-    """Stages per pipeline rank: the schedule's, or ``--virtual`` (interleaved schedules)."""
-    virtual = getattr(args, "virtual", None)
+    """Stages per pipeline rank: the schedule's, or ``--stages-per-rank`` (interleaved schedules)."""
+    virtual = getattr(args, "stages_per_rank", None)
     if virtual is None:
         return SCHEDULES[args.schedule][1]
     if args.schedule not in ("interleaved", "zb") or virtual < 2:
-        raise SystemExit("--virtual (2 or more stages per rank) is for --schedule interleaved or zb")
+        raise SystemExit("--stages-per-rank (2 or more) is for --schedule interleaved or zb")
     return virtual
 
 
@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved")
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--virtual", type=int, default=None, help="stages per rank for interleaved / zb (default 2)")
+    p.add_argument("--stages-per-rank", type=int, default=None, help="interleaved / zb: stages per pipeline rank (default 2)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences): dp x microbatches x n")
     p.add_argument("--seq-len", type=int, default=64)
