@@ -56,10 +56,11 @@ def class_hooks(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
     if not (hasattr(cls, _PRE) or hasattr(cls, _POST)):  # (dynamo: getattr's default is not heeded)
         return hooks_of(local, codec, fqn) if codec is not None else None
     pre, post = getattr(cls, _PRE, None), getattr(cls, _POST, None)
+    if pre is None or post is None:
+        return _checked(pre, post, local, fqn, 0)  # raises: one of the two is missing
     code = getattr(pre, "__code__", None)  # (no inspect in a trace): the parameters after self
     arity = code.co_argcount - 1 if code is not None else _arity(functools.partial(pre, local))
-    bind = functools.partial
-    return _checked(pre and bind(pre, local), post and bind(post, local), local, fqn, arity)
+    return _checked(functools.partial(pre, local), functools.partial(post, local), local, fqn, arity)
 
 
 def rebind(hooks: Hooks, local: torch.Tensor) -> Hooks:

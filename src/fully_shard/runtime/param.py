@@ -329,13 +329,8 @@ class FSDPParam:
         """Before each all-gather: whether it goes through an extension (`extension.hooks_of`).
         Another extension than the one that built the unsharded parameter drops it."""
         hooks = hooks_of(self.local_shard, self.codec, self.path)
-        if hooks is not None and self.shard_dim != 0:
-            where = "flat (FlatShard)" if self.shard_dim == FLAT else f"on dim {self.shard_dim}"
-            raise ValueError(
-                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) "
-                f"and is sharded {where}; extensions gather dim-0 shards. Fix: "
-                "return Shard(0) (or None) for it from shard_placement_fn."
-            )
+        if hooks is not None:
+            self.refuse_extension_off_dim0()
         source = hooks.source if hooks is not None else None
         if source is not (self.ext.source if self.ext is not None else None):
             if self.unsharded_param is not None:
@@ -344,6 +339,16 @@ class FSDPParam:
         if self.ext is not None:
             self.ext.hooks = hooks
         return hooks is not None
+
+    def refuse_extension_off_dim0(self) -> None:
+        """An all-gather extension gathers dim-0 shards: raise, naming the fix, for any other."""
+        if self.shard_dim != 0:
+            where = "flat (FlatShard)" if self.shard_dim == FLAT else f"on dim {self.shard_dim}"
+            raise ValueError(
+                f"parameter {self.path} has an all-gather extension ({type(self.local_shard).__name__}) "
+                f"and is sharded {where}; extensions gather dim-0 shards. Fix: "
+                "return Shard(0) (or None) for it from shard_placement_fn."
+            )
 
     def extension_inputs(self) -> list[torch.Tensor]:
         """What the extension gathers for this rank (each input padded to ``rows``), flat, as bytes."""

@@ -449,9 +449,8 @@ def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     hooks = class_hooks(fp.local_shard, fp.codec, fp.path)
     if hooks is None:
         return None
+    fp.refuse_extension_off_dim0()
     layout = fp.where.layout
-    if layout.dim != 0 or fp.where.view is not None:
-        fp.resolve_extension()  # raises: extensions gather dim-0 shards (the message names the fix)
     pre_args = (fp.where.info.shard_mesh, layout.shape, contiguous_stride(layout.shape), fp.places[0].module)
     return hooks, (*pre_args, fp.dtypes.policy) if hooks.full_signature else pre_args[:1]
 
