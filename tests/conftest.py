@@ -14,7 +14,7 @@ for path in (HERE, EXAMPLES):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from rank_pool import RankPool  # noqa: E402
+from rank_pool import DEATHS, RankPool  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +30,11 @@ def ranks() -> Iterator[Callable[[int], RankPool]]:
     yield get
     for pool in pools.values():
         pool.close()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """A pool rank that died between tests (its test had passed; the next ran on a rebuilt pool)."""
+    if DEATHS:
+        terminalreporter.section("rank processes that died between tests (the pool was rebuilt)")
+        for line in DEATHS:
+            terminalreporter.line(line)

@@ -6,7 +6,10 @@ then runs a test body on every rank in well under a second. A test body is a mod
 function ``fn(*args)``; its return values come back as a list indexed by rank.
 
 On any failure the pool returns every rank's traceback, tagged ``[rank N]``, and rebuilds itself
-if a rank is stuck, so one broken test cannot hang or poison the rest.
+if a rank is stuck or died, so one broken test cannot hang or poison the rest. A rank that died
+*between* tests (after its test passed: e.g. a native abort in a background thread) is found before
+the next call, which then runs on a rebuilt pool; the death is recorded in ``DEATHS`` (with the
+exit code and the test that ran last) and reported at the end of the session (conftest.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ GRACE_AFTER_ERROR_S = 10.0
 
 class RankFailure(AssertionError):
     pass
+
+
+DEATHS: list[str] = []  # "world N: rank R died (exit code C) after fn", one per death between calls
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str) -> None:
@@ -61,6 +67,7 @@ class RankPool:
         self._ctx.set_forkserver_preload(["torch", "torch.distributed", "fully_shard"])
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._last = "(start)"
         self._start()
 
     def _start(self) -> None:
@@ -80,6 +87,9 @@ class RankPool:
             self._conns.append(parent)
 
     def close(self) -> None:
+        for i, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {proc.exitcode}) after {self._last}")
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -98,12 +108,22 @@ class RankPool:
         self._procs, self._conns = [], []
         self._start()
 
+    def _replace_dead_ranks(self) -> None:
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
+        if dead:
+            for i, code in dead:
+                DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {code}) after {self._last}")
+            self._restart()
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CALL_TIMEOUT_S) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the per-rank results or raise with every traceback."""
         message = (fn.__module__, fn.__name__, args)
+        self._replace_dead_ranks()
+        self._last = f"{fn.__module__}.{fn.__name__}{args!r}"[:200]
         for conn in self._conns:
             conn.send(message)
         results: dict[int, tuple[str, Any]] = {}
+        died = False
         deadline = timeout
         import time
 
@@ -123,10 +143,12 @@ class RankPool:
                     try:
                         results[i] = conn.recv()
                     except EOFError:
+                        died = True
+                        self._procs[i].join(timeout=5)
                         results[i] = ("err", f"[rank {i}] process died (exit code {self._procs[i].exitcode})")
         errors = [payload for _, (status, payload) in sorted(results.items()) if status == "err"]
         missing = [i for i in range(self.world_size) if i not in results]
-        if missing:
+        if missing or died:
             errors += [f"[rank {i}] no answer (stuck in a collective, or past the {timeout:.0f}s limit)" for i in missing]
             self._restart()
         if errors:

@@ -1,0 +1,59 @@
+"""The rank pool itself: a rank that dies during a call fails that call only, and a rank that dies
+*after* its call returned (a native abort in a background thread: CI saw one kill a world-2 rank
+and fail every later world-2 test with ``BrokenPipeError``) is replaced before the next call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+import rank_pool
+from rank_pool import RankFailure, RankPool
+
+
+def _sum_of_ranks() -> int:
+    t = __import__("torch").tensor([dist.get_rank()])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _die_now(rank: int) -> None:
+    if dist.get_rank() == rank:
+        os._exit(3)
+
+
+def _abort_after_returning(rank: int) -> str:
+    if dist.get_rank() == rank:
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGABRT)).start()
+    return "ok"
+
+
+@pytest.fixture
+def pool():
+    p = RankPool(2)
+    yield p
+    p.close()
+
+
+def test_a_rank_that_dies_during_a_call_fails_it_and_the_next_call_runs(pool):
+    with pytest.raises(RankFailure, match=r"\[rank 1\] process died \(exit code 3\)"):
+        pool.run(_die_now, 1)
+    assert pool.run(_sum_of_ranks) == [1, 1]
+
+
+def test_a_rank_that_dies_after_its_call_is_replaced_and_reported(pool):
+    before = len(rank_pool.DEATHS)
+    assert pool.run(_abort_after_returning, 0) == ["ok", "ok"]
+    deadline = time.monotonic() + 30
+    while pool._procs[0].is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.run(_sum_of_ranks) == [1, 1]
+    assert rank_pool.DEATHS[before:] == [
+        f"world 2: rank 0 died (exit code {-signal.SIGABRT}) after test_rank_pool._abort_after_returning(0,)"
+    ]
+    del rank_pool.DEATHS[before:]  # (deliberate: not a death to report at the end of the session)
