@@ -87,9 +87,7 @@ class RankPool:
             self._conns.append(parent)
 
     def close(self) -> None:
-        for i, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {proc.exitcode}) after {self._last}")
+        self._record_deaths()
         for conn in self._conns:
             try:
                 conn.send(None)
@@ -108,11 +106,14 @@ class RankPool:
         self._procs, self._conns = [], []
         self._start()
 
-    def _replace_dead_ranks(self) -> None:
+    def _record_deaths(self) -> bool:
         dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
-        if dead:
-            for i, code in dead:
-                DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {code}) after {self._last}")
+        for i, code in dead:
+            DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {code}) after {self._last}")
+        return bool(dead)
+
+    def _replace_dead_ranks(self) -> None:
+        if self._record_deaths():
             self._restart()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CALL_TIMEOUT_S) -> list[Any]:
@@ -149,7 +150,8 @@ class RankPool:
         errors = [payload for _, (status, payload) in sorted(results.items()) if status == "err"]
         missing = [i for i in range(self.world_size) if i not in results]
         if missing or died:
-            errors += [f"[rank {i}] no answer (stuck in a collective, or past the {timeout:.0f}s limit)" for i in missing]
+            why = f"no answer (stuck in a collective, or past the {timeout:.0f}s limit)"
+            errors += [f"[rank {i}] {why}" for i in missing]
             self._restart()
         if errors:
             raise RankFailure(f"{fn.__name__} failed on world size {self.world_size}:\n" + "\n".join(errors))
