@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _parity import TOL64, llama64, make_mlp, mlp_batch
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
@@ -110,13 +111,7 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
         compiled.compile(backend=backend, fullgraph=True)
         b, _ = _train(compiled, 3, rank, w)
     elif form == "dispatch_mode":  # dynamo skips frames under a dispatch mode; the hooks, run eagerly
-        from torch.utils._python_dispatch import TorchDispatchMode  # by it, took the traced route
-
-        class PassThrough(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                return func(*args, **(kwargs or {}))
-
-        with PassThrough():
+        with _PassThrough():  # by it, took the traced route
             b, _ = _train(torch.compile(compiled, backend=backend), 3, rank, w,
                           torch.optim.AdamW(compiled.parameters(), lr=1e-2))
     elif form == "wrap":  # torch.compile(model): dynamo runs the root's hooks as frames of their own
@@ -268,9 +263,10 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
 
 
 def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
-    """2 steps of 3 micro-batches, the first two without gradient sync (``hsdp``: on a (2, w/2)
-    mesh, with the all-reduce deferred instead): eager, against ``mode`` ("compiled": all compiled;
-    "then_eager": the first two compiled, the last one eager; "after_eager": the reverse)."""
+    """Micro-batches with and without gradient sync (``hsdp``: on a (2, w/2) mesh, with the
+    all-reduce deferred instead): eager, against ``mode`` ("compiled": 2 steps of 3 micro-batches,
+    the first two without sync, all compiled; "mixed": `_ACCUMULATING`, where accumulation crosses
+    between compiled and eager micro-batches in both directions)."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -290,14 +286,14 @@ def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
     graphs: dict = {}
     fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
     losses = [[], []]
+    schedule = _ACCUMULATING if mode == "mixed" else [[(False, True), (False, True), (True, True)]] * 2
     for i, model in enumerate((eager, compiled)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(2):
-            for micro in range(3):
-                sync = micro == 2
+        for step, micro in enumerate(schedule):
+            for j, (sync, use_compiled) in enumerate(micro):
                 (model.set_requires_all_reduce if hsdp else model.set_requires_gradient_sync)(sync)
-                use_compiled = i == 1 and (mode == "compiled" or (mode == "then_eager") != sync)
-                x, y = synthetic_batch(3 * step + micro, 4, 16, 101)
+                use_compiled = i == 1 and use_compiled
+                x, y = synthetic_batch(3 * step + j, 4, 16, 101)
                 loss = loss_fn((fn if use_compiled else model)(x.chunk(w)[rank]), y.chunk(w)[rank])
                 loss.backward()
                 losses[i].append(global_mean(loss))
@@ -326,19 +322,20 @@ def test_hsdp_all_reduce_deferred_compiled(ranks, world_size):
     """set_requires_all_reduce(False) compiled: a second graph whose backward reduce-scatters but
     all-reduces nothing (each sum added to the parameter's partial leaf, as eager keeps it); the
     all-reducing micro-batch adds the deferred sums and all-reduces once. Equal to eager (to the
-    bit at world 2, (2, 1)); at world 2 also mixed with eager micro-batches in either order."""
-    modes = ["compiled", "then_eager", "after_eager"] if world_size == 2 else ["compiled"]
+    bit at world 2, (2, 1)); at world 2 mixed with eager micro-batches in both directions."""
+    mode = "mixed" if world_size == 2 else "compiled"
     rs = 3 if world_size == 4 else 0  # (a shard group of one rank reduce-scatters nothing)
-    for mode in modes:
-        for r in ranks(world_size).run(_accumulation, mode, False, True):
-            print(f"world {world_size} {mode}: {r}")
-            assert r["partials_left"] == 0, r
-            if world_size == 2:
-                assert r["losses_equal"] and r["params_equal"], r
-            else:
-                assert r["param_diff"] <= TOL64, r
-            if mode == "compiled":  # one graph deferring, one all-reducing: no recompiles across steps
-                assert r["graphs"] == 2 and r["bw_ar_rs"] == [(0, rs), (3, rs)], r
+    for r in ranks(world_size).run(_accumulation, mode, False, True):
+        print(f"world {world_size} {mode}: {r}")
+        assert r["partials_left"] == 0, r
+        if world_size == 2:
+            assert r["losses_equal"] and r["params_equal"], r
+        else:
+            assert r["param_diff"] <= TOL64, r
+        if mode == "compiled":  # one graph deferring, one all-reducing: no recompiles across steps
+            assert r["graphs"] == 2 and r["bw_ar_rs"] == [(0, rs), (3, rs)], r
+        else:  # and an all-reducing one again once an eager micro-batch gave the root its context
+            assert r["graphs"] == 3 and r["bw_ar_rs"] == [(0, rs), (3, rs), (3, rs)], r
 
 
 def _offloaded(device_type: str = "cpu", backend: str = "aot_eager") -> dict:
@@ -492,28 +489,42 @@ def test_all_gather_codec_compiled_equals_eager(ranks, world_size, reshard):  # 
 _ACCUMULATING = [[(True, True)], [(False, True), (True, False)], [(False, False), (True, True)]]
 
 
-def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: str = "capture") -> dict:
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing; dynamo runs the frames under it eagerly (its frames,
+    and our hooks with them, take the traced route without a graph)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: str = "capture",
+                       dispatch_mode: bool = False) -> dict:
     """An all-gather extension under the whole-model compile, against eager ``fully_shard`` with
     the same weights, micro-batches as `_ACCUMULATING`: "two", ``TwoTensor`` weights (PyTorch's
     test subclass, whose pre hook reads its module's weight: the sharded parameter, as in eager);
     "float8", torchao's float8 training weights (float8 bytes and an amax all-reduced in the pre
     hook); "int8", plain weights with the ``Int8AllGather`` codec (int8 rows and a float32 scale
-    per row)."""
+    per row). ``dispatch_mode``: the compiled calls under `_PassThrough`."""
     from test_extensions import _two_tensor_extension, _two_tensor_mlp, float8_batch, float8_mlp, shard_blocks
     from test_extensions import three_linears
 
     from fully_shard import fully_shard
     from fully_shard.quant import Int8AllGather
 
+    from fully_shard.runtime import traced
+
     _fresh_compiler()
     rank, w = world()
+    decoded, decode = [], traced._decode
+    if dispatch_mode:  # counts the traced route's rebuilds, taken with no graph
+        traced._decode = lambda *a: decoded.append(1) or decode(*a)
     with _two_tensor_extension(2) if kind == "two" else contextlib.nullcontext():
         base = {"two": _two_tensor_mlp, "float8": float8_mlp, "int8": three_linears}[kind]().to(device)
         eager, compiled = (shard_blocks(copy.deepcopy(base), fully_shard, reshard, device) for _ in range(2))
         chosen = [len(m.set_all_gather_codec(Int8AllGather())) for m in (eager, compiled)] if kind == "int8" else []
         graphs: dict = {}
         fn = torch.compile(compiled, backend=_capturing_backend(graphs) if backend == "capture" else backend,
-                           fullgraph=True)
+                           fullgraph=not dispatch_mode)  # (fullgraph raises when no frame compiled)
         losses: list[list[float]] = [[], []]
         for i, model in enumerate((eager, compiled)):
             opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -523,7 +534,12 @@ def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: s
                     seed = 3 * step + j
                     x = float8_batch(seed) if kind == "float8" else torch.randn(
                         4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-                    loss = (fn if i == 1 and use_compiled else model)(x.to(device).chunk(w)[rank]).square().mean()
+                    x = x.to(device).chunk(w)[rank]
+                    if i == 1 and use_compiled:
+                        with _PassThrough() if dispatch_mode else contextlib.nullcontext():
+                            loss = fn(x).square().mean()
+                    else:
+                        loss = model(x).square().mean()
                     loss.backward()
                     losses[i].append(loss.a.item() if kind == "two" else loss.item())
                 opt.step()
@@ -534,9 +550,10 @@ def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: s
             equal.append(torch.equal(fa.a, fb.a) and torch.equal(fa.b, fb.b) if kind == "two" else torch.equal(fa, fb))
             diff = max(diff, (fa.a - fb.a).abs().max().item() if kind == "two" else (fa - fb).abs().max().item())
         local_type = type(compiled[0][0].weight.to_local()).__name__
+    traced._decode = decode
     if not graphs:  # a real backend: no graphs to read
         return {"equal": equal, "param_diff": diff, "losses": losses, "graphs": counters_graphs(),
-                "local_type": local_type}
+                "local_type": local_type, "decoded": len(decoded)}
     # Each group's row: per weight what its pre hook sends (TwoTensor: both float64 halves; float8:
     # one byte a value; int8: one byte a value, then a float32 scale a row), each piece padded to 16
     # bytes.
@@ -648,22 +665,21 @@ def test_accumulating_without_an_unsharded_parameter_is_refused_with_the_fix(ran
 def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
     """set_requires_gradient_sync(False) compiled: a second graph whose backward reduces nothing
     (the gradients accumulate on the unsharded parameters, as eager); the synced micro-batch adds
-    them and reduces once. Equal to eager (to the bit at world 1 and 2); at world 2 also mixed with
-    eager micro-batches in either order; at world 1 with bf16 parameters."""
-    modes = {1: [("compiled", True)], 2: [("compiled", False), ("then_eager", False), ("after_eager", False)],
-             4: [("compiled", False)]}[world_size]
-    for mode, bf16 in modes:
-        for r in ranks(world_size).run(_accumulation, mode, bf16):
-            print(f"world {world_size} {mode} bf16={bf16}: {r}")
-            assert r["unsharded_grads_left"] == 0, r
-            if world_size <= 2:
-                assert r["losses_equal"] and r["params_equal"], r
-            else:
-                assert r["param_diff"] <= TOL64, r
-            if mode == "compiled":  # one graph with sync, one without: no recompiles across steps
-                assert (r["graphs"], r["bw_graphs"]) == (2, 2), r
-            if mode == "compiled" and world_size > 1:  # (world 1 has no collectives to count)
-                assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [3], r  # regathers, reduces nothing
+    them and reduces once. Equal to eager (to the bit at world 1 and 2); at world 2 mixed with
+    eager micro-batches in both directions; at world 1 with bf16 parameters."""
+    mode, bf16 = {1: ("compiled", True), 2: ("mixed", False), 4: ("compiled", False)}[world_size]
+    for r in ranks(world_size).run(_accumulation, mode, bf16):
+        print(f"world {world_size} {mode} bf16={bf16}: {r}")
+        assert r["unsharded_grads_left"] == 0, r
+        if world_size <= 2:
+            assert r["losses_equal"] and r["params_equal"], r
+        else:
+            assert r["param_diff"] <= TOL64, r
+        # one graph with sync, one without: no recompiles across steps ("mixed": and one with sync
+        # again once an eager micro-batch gave the root its context)
+        assert (r["graphs"], r["bw_graphs"]) == ((2, 2) if mode == "compiled" else (3, 3)), r
+        if world_size > 1:  # (world 1 has no collectives to count)
+            assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [3], r  # regathers, reduces nothing
 
 
 def _compiled_optimizer() -> dict:
@@ -857,6 +873,58 @@ def test_a_compiled_model_that_dynamo_runs_eagerly_still_trains_right(ranks):
     for r in ranks(2).run(_traced_vs_eager, "aot_eager", True, False, False, "dispatch_mode"):
         print(f"dispatch mode: {r}")
         assert r["losses_equal"] and r["params_equal"], r
+
+
+@pytest.mark.parametrize("kind", ["two", "float8", "int8"])
+def test_extensions_in_a_compiled_model_that_dynamo_runs_eagerly(ranks, kind):
+    """The traced route taken without a graph (dynamo runs the compiled model eagerly under a
+    dispatch mode): an extension's pre hook, the all-gather of its bytes and its post hook (the
+    subclass rebuilt through `_Rebuilt`, a codec's output by addition) run eagerly; training equals
+    eager ``fully_shard``'s to the bit, accumulation crossing between the two included.
+    Resharding is not honoured on this route: with no graph to partition, the ops that read a
+    gathered weight save it for backward, so backward does not gather again (docs/compile.md)."""
+    if kind == "float8":
+        pytest.importorskip("torchao.float8")
+    for r in ranks(2).run(_subclass_compiled, kind, True, "cpu", "aot_eager", True):
+        print(f"{kind} under a dispatch mode: {r}")
+        local = {"two": "TwoTensor", "float8": "WeightWithDynamicFloat8CastTensor", "int8": "Tensor"}[kind]
+        assert r["graphs"] == 0 and r["local_type"] == local, r
+        assert r["equal"] == [True, True, True], r
+        # rebuilt 3 groups x 3 forwards (the compiled micro-batches of `_ACCUMULATING`); none in
+        # backward, though reshard_after_forward=True (compiled: 2 regathers a backward)
+        assert r["decoded"] == 9, r
+
+
+def _force_eager_stance() -> dict:
+    from test_extensions import shard_blocks, three_linears
+
+    from fully_shard import fully_shard
+    from fully_shard.runtime import traced
+
+    _fresh_compiler()
+    rank, w = world()
+    calls, gather = [], traced.gather_group
+    traced.gather_group = lambda *a: calls.append(1) or gather(*a)
+    try:
+        eager, compiled = (shard_blocks(three_linears(), fully_shard, True, "cpu") for _ in range(2))
+        compiled.compile(backend="aot_eager")
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).chunk(w)[rank]
+        eager(x).square().mean().backward()
+        with torch.compiler.set_stance("force_eager"):
+            compiled(x).square().mean().backward()
+    finally:
+        traced.gather_group = gather
+    return {"traced_gathers": len(calls), "graphs": counters_graphs(),
+            "grads_equal": all(torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+                               for a, b in zip(eager.parameters(), compiled.parameters()))}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_force_eager_stance_runs_the_eager_engine(ranks, world_size):
+    """``torch.compiler.set_stance("force_eager")`` on a compiled model: no graph, and the eager
+    engine (not the traced route run without a graph) gathers, resharding as eager does."""
+    for r in ranks(world_size).run(_force_eager_stance):
+        assert r == {"traced_gathers": 0, "graphs": 0, "grads_equal": True}, r
 
 
 def _placed_compiled_vs_eager(kind: str, tp_shape: tuple[int, int] = (1, 1), accumulate: bool = False) -> dict:
