@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -36,9 +37,16 @@ class RankFailure(AssertionError):
 DEATHS: list[str] = []  # "world N: rank R died (exit code C) after fn", one per death between calls
 
 
-def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str) -> None:
+def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str, log: str) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)  # native messages (an abort's "terminate called ...") and Python's, kept for `_tail`
+    os.close(fd)
+    faulthandler.enable()  # a fatal signal prints every thread's Python stack there too
 
     if test_dir not in sys.path:
         sys.path.insert(0, test_dir)
@@ -71,14 +79,15 @@ class RankPool:
         self._start()
 
     def _start(self) -> None:
-        store_dir = tempfile.mkdtemp(prefix=f"fully_shard_pool{self.world_size}_")
+        self._dir = store_dir = tempfile.mkdtemp(prefix=f"fully_shard_pool{self.world_size}_")
         store_path = os.path.join(store_dir, "store")
         test_dir = os.path.dirname(os.path.abspath(__file__))
+        self._logs = [os.path.join(store_dir, f"rank{rank}.stderr") for rank in range(self.world_size)]
         for rank in range(self.world_size):
             parent, child = self._ctx.Pipe()
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, child, test_dir),
+                args=(rank, self.world_size, store_path, child, test_dir, self._logs[rank]),
                 daemon=True,
             )
             proc.start()
@@ -98,19 +107,34 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _restart(self) -> None:
         for proc in self._procs:
             proc.kill()
             proc.join()
         self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
         self._start()
 
     def _record_deaths(self) -> bool:
         dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
         for i, code in dead:
-            DEATHS.append(f"world {self.world_size}: rank {i} died (exit code {code}) after {self._last}")
+            where = f"world {self.world_size}: rank {i} died (exit code {code}) after {self._last}"
+            DEATHS.append(where + self._tail(i))
         return bool(dead)
+
+    def _tail(self, rank: int, chars: int = 3000) -> str:
+        """The end of what a rank wrote to its stderr (where a native abort says why)."""
+        try:
+            with open(self._logs[rank], "rb") as f:
+                f.seek(max(0, os.path.getsize(self._logs[rank]) - chars))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        if not text.strip():
+            return ""
+        return "\n  its stderr ended with:\n    " + "\n    ".join(text.rstrip().splitlines()[-30:])
 
     def _replace_dead_ranks(self) -> None:
         if self._record_deaths():
@@ -146,7 +170,8 @@ class RankPool:
                     except EOFError:
                         died = True
                         self._procs[i].join(timeout=5)
-                        results[i] = ("err", f"[rank {i}] process died (exit code {self._procs[i].exitcode})")
+                        code = self._procs[i].exitcode
+                        results[i] = ("err", f"[rank {i}] process died (exit code {code}){self._tail(i)}")
         errors = [payload for _, (status, payload) in sorted(results.items()) if status == "err"]
         missing = [i for i in range(self.world_size) if i not in results]
         if missing or died:

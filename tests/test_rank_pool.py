@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -24,6 +25,7 @@ def _sum_of_ranks() -> int:
 
 def _die_now(rank: int) -> None:
     if dist.get_rank() == rank:
+        print("dying on purpose", file=sys.stderr, flush=True)
         os._exit(3)
 
 
@@ -41,7 +43,8 @@ def pool():
 
 
 def test_a_rank_that_dies_during_a_call_fails_it_and_the_next_call_runs(pool):
-    with pytest.raises(RankFailure, match=r"\[rank 1\] process died \(exit code 3\)"):
+    with pytest.raises(RankFailure, match=r"\[rank 1\] process died \(exit code 3\)\n  its stderr ended with:\n"
+                       r"    dying on purpose"):
         pool.run(_die_now, 1)
     assert pool.run(_sum_of_ranks) == [1, 1]
 
@@ -53,7 +56,8 @@ def test_a_rank_that_dies_after_its_call_is_replaced_and_reported(pool):
     while pool._procs[0].is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pool.run(_sum_of_ranks) == [1, 1]
-    assert rank_pool.DEATHS[before:] == [
-        f"world 2: rank 0 died (exit code {-signal.SIGABRT}) after test_rank_pool._abort_after_returning(0,)"
-    ]
+    (death,) = rank_pool.DEATHS[before:]
+    head, _, stderr = death.partition("\n")
+    assert head == f"world 2: rank 0 died (exit code {-signal.SIGABRT}) after test_rank_pool._abort_after_returning(0,)"
+    assert "its stderr ended with:" in stderr and "Fatal Python error: Aborted" in stderr, death  # faulthandler's
     del rank_pool.DEATHS[before:]  # (deliberate: not a death to report at the end of the session)
