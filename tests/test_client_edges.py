@@ -248,6 +248,50 @@ def test_module_to_dtype_after_fully_shard(ranks, world_size, how):
         assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
+def _carried_gradient() -> dict:
+    """A micro-batch without sync accumulates float32 gradients on the unsharded parameters; then
+    ``module.double()`` with a float32 ``param_dtype`` drops those parameters and carries their
+    gradients to the next unshard. Meanwhile the memory tools (`live_buffers`) still count them."""
+    from functools import partial
+
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    rank, w = world()
+    model = make_mlp(torch.float32)
+    numel = sum(p.numel() for p in model.parameters())
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32)
+    shard_mlp(model, "nested", True, partial(fully_shard, mp_policy=mp))
+    states = [m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+
+    def gradient_bytes() -> int:
+        seen = {}
+        for s in states:
+            for category, t in s.live_buffers():
+                if category == "gradients" and t is not None:
+                    t = t.to_local() if isinstance(t, DTensor) else t
+                    seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    x, y = mlp_batch(0, torch.float32)
+    model.set_requires_gradient_sync(False)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    before = gradient_bytes()
+    model.double()
+    after = gradient_bytes()
+    model.set_requires_gradient_sync(True)
+    x, y = mlp_batch(1)
+    _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    return {"expected": 4 * numel, "before": before, "after": after,
+            "sharded_grads": sorted({str(p.grad.to_local().dtype) for p in model.parameters()})}
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_a_gradient_carried_over_a_dtype_change_is_still_counted(ranks, world_size):
+    for r in ranks(world_size).run(_carried_gradient):
+        assert r["before"] == r["after"] == r["expected"], r  # the unsharded float32 gradients
+        assert r["sharded_grads"] == ["torch.float64"], r
+
+
 def _half() -> dict:
     from fully_shard import fully_shard
 

@@ -178,7 +178,7 @@ class FSDPParam:
             out += [("unsharded_params", t) for t in self.ext.outputs]
         shard = self.padded_shard if self.padded_shard is not None else self.local_shard
         out += [("sharded_params", shard), ("gradients", self.sharded_param.grad)]
-        out.append(("gradients", self.partial_reduce))
+        out += [("gradients", self.partial_reduce), ("gradients", self._carried_grad)]
         if self.unsharded_param is not None:
             out.append(("gradients", self.unsharded_param.grad))
         return out
