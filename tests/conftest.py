@@ -27,14 +27,27 @@ def ranks() -> Iterator[Callable[[int], RankPool]]:
             pools[world_size] = RankPool(world_size)
         return pools[world_size]
 
+    get.pools = pools  # type: ignore[attr-defined]
+
     yield get
     for pool in pools.values():
         pool.close()
 
 
+@pytest.fixture(autouse=True)
+def _refresh_pools(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test, rebuild the pools whose ranks hold too many process groups (`RankPool.refresh`)."""
+    yield
+    if "ranks" in request.fixturenames:
+        get = request.getfixturevalue("ranks")
+        for pool in get.pools.values():  # type: ignore[attr-defined]
+            pool.refresh()
+
+
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
-    """A pool rank that died between tests (its test had passed; the next ran on a rebuilt pool)."""
+    """Pool ranks that died between tests (the next test ran on a rebuilt pool), or of a signal
+    during a call that then ran again (`RankPool.run`)."""
     if DEATHS:
-        terminalreporter.section("rank processes that died between tests (the pool was rebuilt)")
+        terminalreporter.section("rank processes that died outside a test's control (the pool was rebuilt)")
         for line in DEATHS:
             terminalreporter.line(line)

@@ -61,3 +61,42 @@ def test_a_rank_that_dies_after_its_call_is_replaced_and_reported(pool):
     assert head == f"world 2: rank 0 died (exit code {-signal.SIGABRT}) after test_rank_pool._abort_after_returning(0,)"
     assert "its stderr ended with:" in stderr and "Fatal Python error: Aborted" in stderr, death  # faulthandler's
     del rank_pool.DEATHS[before:]  # (deliberate: not a death to report at the end of the session)
+
+
+def _segfault_once(rank: int, marker: str) -> str:
+    """Rank ``rank`` dies of SIGSEGV the first time (``marker`` does not exist yet), then answers."""
+    if dist.get_rank() == rank and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return "ok"
+
+
+def test_a_rank_killed_by_a_signal_during_a_call_runs_it_again_once(pool, tmp_path):
+    before = len(rank_pool.DEATHS)
+    assert pool.run(_segfault_once, 1, str(tmp_path / "once")) == ["ok", "ok"]
+    (death,) = rank_pool.DEATHS[before:]
+    assert death.startswith(
+        f"world 2: during test_rank_pool._segfault_once(1, {str(tmp_path / 'once')!r}), run again: "
+        f"[rank 1] process died (exit code {-signal.SIGSEGV})"
+    ), death
+    assert "Fatal Python error: Segmentation fault" in death, death
+    del rank_pool.DEATHS[before:]
+    with pytest.raises(RankFailure, match=r"\[rank 1\] process died \(exit code -11\)"):  # twice: it fails
+        pool.run(_segfault_once, 1, str(tmp_path / "never"), retry=False)
+
+
+def _make_groups(n: int) -> tuple[int, int]:
+    for _ in range(n):
+        dist.new_group(list(range(dist.get_world_size())))
+    return os.getpid(), len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_pool_holding_too_many_process_groups_is_rebuilt_between_tests(pool):
+    first = pool.run(_make_groups, rank_pool.MAX_GROUPS)  # the default group and MAX_GROUPS more
+    assert [groups for _, groups in first] == [rank_pool.MAX_GROUPS + 1] * 2 and pool.stale
+    same = pool.run(_make_groups, 0)  # within a test: the same ranks, their state kept
+    assert same == first
+    pool.refresh()  # between tests (conftest.py)
+    fresh = pool.run(_make_groups, 0)
+    assert [groups for _, groups in fresh] == [1, 1] and not pool.stale
+    assert all(a != b for (a, _), (b, _) in zip(first, fresh))  # new processes
