@@ -8,8 +8,10 @@ function ``fn(*args)``; its return values come back as a list indexed by rank.
 On any failure the pool returns every rank's traceback, tagged ``[rank N]``, and rebuilds itself
 if a rank is stuck or died, so one broken test cannot hang or poison the rest. A rank that died
 *between* tests (after its test passed: e.g. a native abort in a background thread) is found before
-the next call, which then runs on a rebuilt pool; the death is recorded in ``DEATHS`` (with the
-exit code and the test that ran last) and reported at the end of the session (conftest.py).
+the next call, which then runs on a rebuilt pool; one killed by a signal *during* a call has that
+call run once more (`RankPool.run`). Both are recorded in ``DEATHS`` (exit code, the call, the tail
+of the rank's stderr) and reported at the end of the session (conftest.py). Between tests a pool
+whose ranks hold more than ``MAX_GROUPS`` process groups is rebuilt (`RankPool.refresh`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ class RankFailure(AssertionError):
     pass
 
 
-DEATHS: list[str] = []  # "world N: rank R died (exit code C) after fn", one per death between calls
+DEATHS: list[str] = []  # one per rank death between calls, and per call run again after a signal
 
 
 def _worker_main(rank: int, world_size: int, store_path: str, conn: Connection, test_dir: str, log: str) -> None:
