@@ -262,8 +262,14 @@ class _OutsideCompile:
 
 
 def _compile_active() -> bool:
-    """A compiled call is running (this frame was left to run eagerly)."""
-    return get_eval_frame_callback() not in (None, False)
+    """A compiled call is running (this frame was left to run eagerly) and may trace the forward:
+    not under a user's dispatch mode (a FLOP counter, a debug mode), where dynamo traces nothing
+    and the eager engine reshards as usual (the traced route run with no graph would not)."""
+    if get_eval_frame_callback() in (None, False):
+        return False
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+    return not is_in_torch_dispatch_mode(include_infra_modes=False)
 
 
 class _Hook:
