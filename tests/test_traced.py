@@ -10,6 +10,7 @@ import contextlib
 import copy
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -515,9 +516,10 @@ def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: s
     _fresh_compiler()
     rank, w = world()
     decoded, decode = [], traced._decode
-    if dispatch_mode:  # counts the traced route's rebuilds (none: the eager engine runs)
-        traced._decode = lambda *a: decoded.append(1) or decode(*a)
-    with _two_tensor_extension(2) if kind == "two" else contextlib.nullcontext():
+    # counts the traced route's rebuilds under a dispatch mode (none: the eager engine runs)
+    counting = mock.patch.object(traced, "_decode", lambda *a: decoded.append(1) or decode(*a))
+    extension = _two_tensor_extension(2) if kind == "two" else contextlib.nullcontext()
+    with extension, counting if dispatch_mode else contextlib.nullcontext():
         base = {"two": _two_tensor_mlp, "float8": float8_mlp, "int8": three_linears}[kind]().to(device)
         eager, compiled = (shard_blocks(copy.deepcopy(base), fully_shard, reshard, device) for _ in range(2))
         chosen = [len(m.set_all_gather_codec(Int8AllGather())) for m in (eager, compiled)] if kind == "int8" else []
@@ -549,7 +551,6 @@ def _subclass_compiled(kind: str, reshard: bool, device: str = "cpu", backend: s
             equal.append(torch.equal(fa.a, fb.a) and torch.equal(fa.b, fb.b) if kind == "two" else torch.equal(fa, fb))
             diff = max(diff, (fa.a - fb.a).abs().max().item() if kind == "two" else (fa - fb).abs().max().item())
         local_type = type(compiled[0][0].weight.to_local()).__name__
-    traced._decode = decode
     if not graphs:  # a real backend: no graphs to read
         return {"equal": equal, "param_diff": diff, "losses": losses, "graphs": counters_graphs(),
                 "local_type": local_type, "decoded": len(decoded)}
