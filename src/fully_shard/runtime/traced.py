@@ -22,6 +22,8 @@ An all-gather extension (a tensor subclass's ``fsdp_pre_all_gather`` / ``fsdp_po
 e.g. torchao's float8 weights, or a codec from ``set_all_gather_codec``) runs in the graph: its pre
 hook encodes each shard (`_encode`), the group's row travels as bytes (`_gather_encoded`), its post
 hook rebuilds the parameter (`_decode`); the gradient passes straight through, as eager's.
+The user's own communication code (the all-reduce hook, custom collectives) runs as opaque custom
+ops (`opaque`), called at run time with what the group's settings hold.
 
 Gradient accumulation without sync (``set_requires_gradient_sync(False)``, a second graph: dynamo
 guards on the setting) accumulates where eager does: the gather's backward hands each gradient,
@@ -40,7 +42,6 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -51,7 +52,9 @@ from torch.distributed.tensor import DTensor
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, class_hooks, instance_methods, rebind
+from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
+from .opaque import PARAMS
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
@@ -140,9 +143,8 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
     by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
     for fp, place in places:
-        _PARAMS[id(fp)] = fp
-        if not fp.where.info.plain:  # plain parameters are refused while tracing (`refuse_untraceable`)
-            by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
+        PARAMS[id(fp)] = fp
+        by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
     state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
     modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
@@ -172,10 +174,6 @@ def refuse_untraceable_tree(state: Any) -> None:
     state._tree_traceable = True
 
 
-# id -> FSDPParam (`install`): what `_instance_methods_of` reads when dynamo calls it
-_PARAMS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
-
-
 def _instance_methods(fp: Any) -> bool:
     """`extension.instance_methods` of the parameter's shard, read outside any trace: a traced
     tensor's ``__dict__`` is out of dynamo's reach."""
@@ -186,7 +184,7 @@ def _instance_methods(fp: Any) -> bool:
 
 @torch.compiler.assume_constant_result
 def _instance_methods_of(key: int) -> bool:
-    fp = _PARAMS.get(key)
+    fp = PARAMS.get(key)
     return fp is not None and instance_methods(fp.local_shard)
 
 
@@ -196,15 +194,15 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     if name is None:  # before lazy init (a compiled step's first trace) no state knows its path yet
         name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
     unsupported = [
-        (s.all_reduce_hook is not None, "an all-reduce hook (set_all_reduce_hook)"),
-        (s.custom_all_gather is not None or s.custom_reduce_scatter is not None, "a custom collective"),
         (s.keep_low_precision_grads, "keep_low_precision_grads"),
+        (  # its forward gathers in two stages, neither over the whole group (`_all_gather`)
+            s.custom_all_gather is not None and type(s.reshard_after_forward) is int,
+            "a custom all-gather (set_custom_all_gather) with reshard_after_forward=<int>",
+        ),
     ]
     for g in state.groups:
         for fp in g.params:
-            where = fp.where
             unsupported += [
-                (where.info.plain, "replicate(plain_params=True)"),
                 (
                     _instance_methods(fp),
                     f"all-gather extension methods set on the tensor instance of {fp.path} (defined on "
@@ -396,9 +394,7 @@ def prepare_no_sync(state: Any) -> None:
     has its unsharded ``nn.Parameter`` (a view of the freed gather buffer: no memory)."""
     for group in state.own:
         for fp in group.params:
-            where = fp.where
-            traceable = not where.info.plain
-            if fp.requires_grad and traceable:
+            if fp.requires_grad:
                 fp.ensure_unsharded_param()
 
 
@@ -440,6 +436,11 @@ class _Plan:
         # per parameter, its all-gather extension's hooks (a tensor subclass's, or a codec's)
         self.extensions = [_extension_calls(fp) for fp in params]
         self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
+        # the user's communication code, run by opaque ops (`opaque`) that look the group up by key
+        key = id(params[0])
+        self.hook = key if s.all_reduce_hook is not None else None
+        self.custom_all_gather = key if s.custom_all_gather is not None else None
+        self.custom_reduce_scatter = key if s.custom_reduce_scatter is not None else None
 
 
 def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
@@ -460,6 +461,8 @@ def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
     pf = plan.post_forward
     if plan.world == 1:
         return flat_in.view(1, -1)
+    if pf is None and plan.custom_all_gather is not None:
+        return opaque.custom_all_gather(flat_in, plan.custom_all_gather, plan.world).view(plan.world, -1)
     if pf is None:
         return funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(plan.world, -1)
     # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
@@ -652,7 +655,9 @@ class _GatherGroup(torch.autograd.Function):
             rs_input = torch._chunk_cat(inputs, dim=0, num_chunks=plan.world).to(dtype).view(-1)
         if plan.before != 1:
             rs_input = rs_input / plan.before
-        if plan.world > 1:
+        if plan.world > 1 and plan.custom_reduce_scatter is not None:
+            out = opaque.custom_reduce_scatter(rs_input, plan.custom_reduce_scatter, plan.world)
+        elif plan.world > 1:
             out = funcol.wait_tensor(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
         else:
             out = rs_input
@@ -667,6 +672,8 @@ class _GatherGroup(torch.autograd.Function):
             out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, slots)])
         if plan.replicate_group is not None:
             out = funcol.wait_tensor(funcol.all_reduce(out, "sum", plan.replicate_group))
+        if plan.hook is not None:  # as eager's: after the all-reduce, before the division
+            opaque.all_reduce_hook(out, plan.hook)
         if plan.after != 1:
             out = out / plan.after
         result: list[Optional[torch.Tensor]] = [None, None]  # the plan, the counts
