@@ -35,11 +35,15 @@ class Faults:
         armed = restart_count() == 0 and rank == kill_rank
         self.kill_at_step = kill_at_step if armed else None
         self.kill_in_save = kill_in_save if armed else None
+        self.step = -1  # the step being computed (`arm_backward`)
 
-    def arm_backward(self, model: torch.nn.Module, step: int) -> None:
+    def arm_backward(self, model: torch.nn.Module, step: int, compiled: bool = False) -> None:
         """Before step ``step``'s forward: if it is the one to die in, hook the output of the middle
-        block so that its gradient's arrival (half-way through backward) kills this rank."""
-        if self.kill_at_step is None or step + 1 != self.kill_at_step:
+        block so that its gradient's arrival (half-way through backward) kills this rank.
+        ``compiled`` (the step compiled whole: dynamo would trace a forward hook): `arm_compiled`
+        did it once, before the first step."""
+        self.step = step
+        if self.kill_at_step is None or step + 1 != self.kill_at_step or compiled:
             return
         blocks = list(model.layers)
         middle = blocks[len(blocks) // 2]
@@ -49,6 +53,24 @@ class Faults:
             handle.remove()
 
         handle = middle.register_forward_hook(on_output)
+
+    def arm_compiled(self, model: torch.nn.Module, inner: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """For a step compiled whole, before its first compile: the middle block's all-reduce hook
+        (an op of the compiled backward graph, run once that block's gradients are reduced in the
+        group) kills this rank in the step to die in; otherwise it calls ``inner`` (torchft's
+        all-reduce across the replica groups, with ``--ft``)."""
+        if self.kill_at_step is None:
+            return
+        blocks = list(model.layers)
+        what = f"in the backward of step {self.kill_at_step}"
+
+        def hook(reduced: torch.Tensor) -> None:
+            if self.step + 1 == self.kill_at_step:
+                _die(what)
+            if inner is not None:
+                inner(reduced)
+
+        blocks[len(blocks) // 2].set_all_reduce_hook(hook)
 
     def in_save(self, step: int) -> Callable[[], None] | None:
         """What the checkpoint writer calls once this rank's shards of step ``step`` are written."""

@@ -1,4 +1,4 @@
-"""python examples/ft_drill.py [--steps N] [--kill-at-step K] [--away S] [--fp64] [--out DIR]
+"""python examples/ft_drill.py [--steps N] [--kill-at-step K] [--away S] [--fp64] [--compile] [--out DIR]
 
 A fault drill of the main job's fault-tolerant replica groups (``examples/train.py --ft``,
 docs/fault_tolerance.md) on one machine: a torchft lighthouse and two replica groups of 2 ranks
@@ -69,7 +69,7 @@ def final_weights(out: str, group: int, steps: int) -> dict[str, torch.Tensor]:
 
 
 def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, step_seconds: float = 0.1,
-          head_start: float = 0.0) -> dict:
+          head_start: float = 0.0, compile: bool = False) -> dict:
     """``away``: seconds group 1 stays dead before the drill relaunches it (a machine lost and
     replaced); None: its own ``torchrun --max-restarts 1`` relaunches it at once (a process crash).
     ``head_start``: group 1 is launched this many seconds before group 0 (the job's first step
@@ -80,7 +80,7 @@ def drill(steps: int, kill_at: int, fp64: bool, out: str, away: float | None, st
     env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse.address().rsplit(':', 1)[1]}",
            "NUM_REPLICA_GROUPS": "2"}
     common = [*SMALL, "--steps", str(steps), "--eval-every", str(steps), "--min-step-seconds", str(step_seconds),
-              *(["--fp64"] if fp64 else [])]
+              *(["--fp64"] if fp64 else []), *(["--compile"] if compile else [])]
     groups: list[subprocess.Popen] = []
     try:
         kill = ["--kill-at-step", str(kill_at), "--kill-rank", "1"]
@@ -121,11 +121,14 @@ def main() -> None:
                    help="seconds group 1 stays dead before it is relaunched (a machine replaced); "
                         "-1: its own torchrun --max-restarts 1 relaunches it at once (a process crash)")
     p.add_argument("--out", default=None)
+    p.add_argument("--compile", action="store_true",
+                   help="every group's training step compiled whole (train.py --compile): torchft's all-reduce "
+                        "runs inside the compiled backward")
     args = p.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="ft_drill_")
     os.makedirs(out, exist_ok=True)
     away = None if args.away < 0 else args.away
-    r = drill(args.steps, args.kill_at_step, args.fp64, out, away)
+    r = drill(args.steps, args.kill_at_step, args.fp64, out, away, compile=args.compile)
     print(f"group 1: rank 1 killed (SIGKILL) in the backward of step {args.kill_at_step}; "
           + ("its torchrun relaunched the group at once" if away is None else f"the group relaunched {away:g} s later"))
     print(f"group 0: exit {r['exit'][0]}, trained {len(r['alone'])} steps alone after the kill "

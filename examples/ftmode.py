@@ -77,10 +77,10 @@ class ReplicaGroups:
         )
         for m in model.modules():
             if isinstance(m, FSDPModule):
-                m.set_all_reduce_hook(self._across_groups)
+                m.set_all_reduce_hook(self.across_groups)
         self.optimizer = OptimizerWrapper(self.manager, optimizer)
 
-    def _across_groups(self, reduced: torch.Tensor) -> None:  # after our reduce-scatter in the group
+    def across_groups(self, reduced: torch.Tensor) -> None:  # after our reduce-scatter in the group
         self.manager.allreduce(reduced).wait()
 
     def _state(self) -> dict:  # this rank's shards: group rank r of every group holds the same layout

@@ -21,7 +21,7 @@ training while a group is lost and replaced: docs/fault_tolerance.md, examples/f
 Options (``--help`` for all): --steps --batch (global sequences) --seq-len --dim --layers --heads
 --lr --eval-every --eval-batches --ckpt-every --out --ckpt --resume --data --max-bytes --preset
 {auto,cpu,gpu} --device {auto,cpu,cuda} --bf16 --mesh {fsdp,hsdp} --replicas --log-every --samples
---deterministic --ft; fault drills: --kill-at-step --kill-in-save --kill-rank --min-step-seconds
+--deterministic --ft --compile; fault drills: --kill-at-step --kill-in-save --kill-rank --min-step-seconds
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ft-start-groups", type=int, default=None,
                    help="--ft: a fresh job's first step waits until this many replica groups are in the quorum "
                         "(default: all NUM_REPLICA_GROUPS); groups that join later copy the state")
+    p.add_argument("--compile", action="store_true",
+                   help="the training step's forward and backward compiled whole (torch.compile, fullgraph: the "
+                        "collectives in the graph, docs/compile.md); evaluation and sampling stay eager")
     p.add_argument("--min-step-seconds", type=float, default=0.0,
                    help="fault drill: each step lasts at least this long (so that a drill's kill lands mid-run)")
     args = p.parse_args(argv)
@@ -386,6 +389,13 @@ def main(argv: list[str] | None = None) -> None:
                                   after_write=fault.in_save(at))
         progress.write(f"checkpoint: {path}")
 
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(model(x), y)
+
+    if args.compile:  # the same model, eager between compiled steps (evaluation, sampling, checkpoints)
+        fault.arm_compiled(model, ft.across_groups if ft is not None else None)
+        forward_loss = torch.compile(forward_loss, fullgraph=True)
+
     step = start
     while step < args.steps:
         tic = time.perf_counter()
@@ -396,8 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = train.rank_batch(step, slot, slots)
-        fault.arm_backward(model, step)
-        loss = loss_fn(model(x.to(device)), y.to(device))
+        fault.arm_backward(model, step, compiled=args.compile)
+        loss = forward_loss(x.to(device), y.to(device))
         loss.backward()
         if ft is not None and not ft.end_step(step):  # not every group's step was good: computed again
             progress.write(f"step {step + 1}: not committed by every replica group; computed again")
