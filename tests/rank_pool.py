@@ -160,8 +160,9 @@ class RankPool:
     ) -> list[Any]:
         """Run ``fn(*args)`` on every rank; return the per-rank results or raise with every traceback.
         A rank killed by a signal inside torch's native code (a segfault in gloo seen once in a few
-        suite runs, in a test that passes alone) fails the call once more only: the call runs again
-        on a rebuilt pool, and the death is listed at the end of the session (``DEATHS``)."""
+        suite runs, in a test that passes alone) does not fail the call the first time: it runs once
+        more on a rebuilt pool (``retry=False``: it fails), and the death is listed at the end of
+        the session (``DEATHS``)."""
         message = (fn.__module__, fn.__name__, args)
         self._replace_dead_ranks()
         self._last = f"{fn.__module__}.{fn.__name__}{args!r}"[:200]

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 # id -> FSDPParam (`traced.install`): what the ops, and `traced._instance_methods_of`, look up
 PARAMS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
@@ -47,17 +49,14 @@ def _(output: torch.Tensor, key: int) -> None:
 
 @torch.library.custom_op("fully_shard::custom_all_gather", mutates_args=())
 def custom_all_gather(flat_in: torch.Tensor, key: int, world: int) -> torch.Tensor:
-    """Every rank's ``flat_in`` end to end, by the group's custom all-gather. As eager's: bytes, in
-    a buffer from the comm's ``allocate``, this rank's row copied in, the collective in place."""
+    """Every rank's ``flat_in`` end to end, by the group's custom all-gather, through eager's own
+    copy-in and call (bytes, in a buffer from the comm's ``allocate``, this rank's row copied in)."""
     group, comm = _group(key, "custom all-gather", lambda s: s.custom_all_gather)
-    data = flat_in.reshape(-1).view(torch.uint8)
-    n = data.numel()
-    output = comm.allocate((world * n,), dtype=torch.uint8, device=flat_in.device)
-    ag_input = output.narrow(0, group.info.rank * n, n)
-    ag_input.copy_(data)
-    work = comm(output_tensor=output, input_tensor=ag_input, group=group.info.group, async_op=False)
-    if work is not None:
-        work.wait()
+    info = group.info
+    ag_input, output = collectives.all_gather_copy_in(
+        [flat_in], world, info.rank, flat_in.dtype, flat_in.device, comm
+    )
+    _wait(collectives.all_gather(output, ag_input, info.group, False, comm))
     return output.view(flat_in.dtype)
 
 
@@ -71,16 +70,17 @@ def custom_reduce_scatter(rs_input: torch.Tensor, key: int, world: int) -> torch
     """This rank's slot of the sum over ranks of ``rs_input``, by the group's custom reduce-scatter
     (SUM: the traced reduction divides around it), its buffers from the comm's ``allocate``."""
     group, comm = _group(key, "custom reduce-scatter", lambda s: s.custom_reduce_scatter)
-    kw = {"dtype": rs_input.dtype, "device": rs_input.device}
-    flat = comm.allocate((rs_input.numel(),), **kw)
+    n, dtype, device = rs_input.numel(), rs_input.dtype, rs_input.device
+    flat = collectives.empty_buffer(n, dtype, device, comm)
     flat.copy_(rs_input.reshape(-1))
-    output = comm.allocate((rs_input.numel() // world,), **kw)
-    work = comm(
-        output_tensor=output, input_tensor=flat, group=group.info.group, op=dist.ReduceOp.SUM, async_op=False
-    )
+    output = collectives.empty_buffer(n // world, dtype, device, comm)
+    _wait(collectives.reduce_scatter(output, flat, group.info.group, False, dist.ReduceOp.SUM, comm))
+    return output
+
+
+def _wait(work: Any) -> None:
     if work is not None:
         work.wait()
-    return output
 
 
 @custom_reduce_scatter.register_fake

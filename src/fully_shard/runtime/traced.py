@@ -54,7 +54,6 @@ from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, class_hooks, instance_methods, rebind
 from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
-from .opaque import PARAMS
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
@@ -143,7 +142,7 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
     by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
     for fp, place in places:
-        PARAMS[id(fp)] = fp
+        opaque.PARAMS[id(fp)] = fp
         by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
     state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
     modules = state.__dict__.setdefault("_traced_modules", [])
@@ -184,7 +183,7 @@ def _instance_methods(fp: Any) -> bool:
 
 @torch.compiler.assume_constant_result
 def _instance_methods_of(key: int) -> bool:
-    fp = PARAMS.get(key)
+    fp = opaque.PARAMS.get(key)
     return fp is not None and instance_methods(fp.local_shard)
 
 
