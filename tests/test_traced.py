@@ -23,6 +23,7 @@ from rank_utils import cpu_mesh, global_mean, world
 AG = "_c10d_functional.all_gather_into_tensor.default"
 RS = "_c10d_functional.reduce_scatter_tensor.default"
 AR = "_c10d_functional.all_reduce.default"
+CUSTOM_AG = "fully_shard.custom_all_gather.default"
 
 
 def _fresh_compiler() -> None:
@@ -85,7 +86,8 @@ def _full(model) -> dict:
     return {k: v.full_tensor() for k, v in model.state_dict().items()}
 
 
-def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool = False, form: str = "method") -> dict:
+def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool = False, form: str = "method",
+                     custom_all_gather: bool = False) -> dict:
     from torch._dynamo.utils import counters
 
     from fully_shard import MixedPrecisionPolicy
@@ -105,6 +107,14 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
     compiled = copy.deepcopy(eager)
     _shard(eager, reshard, mp, mesh)
     _shard(compiled, reshard, mp, mesh)
+    comms = []
+    if custom_all_gather:  # the blocks' (the root's own stays the default)
+        from test_comm_controls import CountingAllGather
+
+        for model in (eager, compiled):
+            comms.append(CountingAllGather())
+            for layer in model.layers:
+                layer.set_custom_all_gather(comms[-1])
     graphs: dict = {}
     backend = _capturing_backend(graphs) if backend == "capture" else backend
     a, _ = _train(eager, 3, rank, w)
@@ -140,12 +150,14 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
         "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
         "param_diff": max((ea[k].double() - eb[k].double()).abs().max().item() for k in ea),
         "graphs": counters["stats"]["unique_graphs"],
+        "custom_calls": [c.calls for c in comms],  # eager's, the compiled model's
     }
     if graphs:
         fw, bw = graphs["fw"], graphs["bw"]
         out.update({"fw_graphs": len(fw), "bw_graphs": len(bw), "fw_ag": _count(fw[0], AG),
                     "fw_rs": _count(fw[0], RS), "bw_ag": _count(bw[0], AG), "bw_rs": _count(bw[0], RS),
-                    "bw_ar": _count(bw[0], AR),
+                    "bw_ar": _count(bw[0], AR), "fw_custom": _count(fw[0], CUSTOM_AG),
+                    "bw_custom": _count(bw[0], CUSTOM_AG),
                     "bw_ag_sizes": sorted(n.args[1] for n in bw[0].graph.nodes if str(n.target) == AG)})
         # What the forward keeps for backward: the backward graph's inputs. A gathered (full-size)
         # parameter among them means it was not resharded.
@@ -938,18 +950,66 @@ def test_replicated_modules_compiled_equal_eager(ranks, plain, world_size):
             assert r["param_diff"] <= TOL64, r
 
 
-def _refused(form: str, what: str = "custom") -> tuple[str, str]:
-    from test_comm_controls import CountingAllGather
+def _fsdp1_low_precision_grads(reduce: str) -> dict:
+    """FSDP1's ``MixedPrecision(bf16, keep_low_precision_grads=True)`` (our `fully_shard.fsdp1`),
+    the whole model compiled vs eager: two synced backwards accumulate into ``.grad`` per step,
+    then SGD by hand (float32 parameters, bf16 gradients); every gradient compared."""
+    import test_fsdp1_semantics as f1
+    from torch._dynamo.utils import counters
+
+    import fully_shard.fsdp1 as lib
+
+    _fresh_compiler()
+    rank, w = world()
+    mp = lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce),
+                            keep_low_precision_grads=True)
+    runs = {}
+    for mode in ("eager", "compiled"):
+        model = f1._model().float()
+        for i in (0, 1):
+            model[i] = lib.FullyShardedDataParallel(model[i], use_orig_params=True, mixed_precision=mp)
+        model = lib.FullyShardedDataParallel(model, use_orig_params=True, mixed_precision=mp)
+        fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
+        grads = []
+        for step in range(2):
+            for micro in range(2):
+                x, y = f1._batch(2 * step + micro)
+                f1._loss(fn, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
+                grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                              for n, p in model.named_parameters()})  # (world 1: plain parameters)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad.float(), alpha=-0.1)
+                    p.grad = None
+        runs[mode] = grads
+    eager, compiled = runs["eager"], runs["compiled"]
+    return {
+        "dtypes": sorted({str(g.dtype) for d in compiled for g in d.values()}),
+        "counts": [len(d) for d in compiled],
+        "equal": all(torch.equal(a[k], b[k]) for a, b in zip(eager, compiled) for k in a),
+        "graphs": counters["stats"]["unique_graphs"],
+    }
+
+
+@pytest.mark.parametrize("reduce,world_size", [("bfloat16", 1), ("float32", 2), ("bfloat16", 2), ("float32", 4)])
+def test_fsdp1_keep_low_precision_grads_compiled_equals_eager(ranks, reduce, world_size):
+    """``keep_low_precision_grads`` compiled: autograd accumulates the compiled backward's
+    gradients into ``.grad``, a hook lowers them to bf16 once accumulated (eager lowers at the
+    end of its backward): equal to eager to the bit, also a second synced backward adding to a
+    bf16 ``.grad`` (in float32, as FSDP1 does) with a float32 reduction."""
+    for r in ranks(world_size).run(_fsdp1_low_precision_grads, reduce):
+        assert r["dtypes"] == ["torch.bfloat16"] and r["counts"] == [10] * 4, r
+        assert r["equal"] and r["graphs"] == 1, r
+
+
+def _refused(form: str) -> tuple[str, str]:
     from test_extensions import _patch_rows_extension
 
     _fresh_compiler()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1))
-    _shard(model, 2 if what == "custom" else True)
-    if what == "custom":  # a block's setting: the root's own is fine
-        model.layers[0].set_custom_all_gather(CountingAllGather())
-    else:  # extension methods set on the block's weights' local tensors (not their class)
-        _patch_rows_extension(model.layers[0])
+    _shard(model, True)
+    _patch_rows_extension(model.layers[0])  # extension methods set on the block's weights' local tensors
     if form == "wrap":
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     elif form == "step":  # a compiled training-step function: the hooks run inside its trace
@@ -966,30 +1026,20 @@ def _refused(form: str, what: str = "custom") -> tuple[str, str]:
 
 
 @pytest.mark.parametrize("form", ["wrap", "method", "step"])
-def test_a_setting_the_traced_path_lacks_is_refused_with_the_fix(ranks, form):
-    """Refused before dynamo traces (the root's hooks of ``torch.compile(model)`` run eagerly;
-    ``FSDPModule.compile`` checks at its first call): inside a trace, torch 2.11's dynamo reports
-    only "Observed exception" (seen on the lent GPU machine, 2026-11-26)."""
-    for kind, message in ranks(4).run(_refused, form):
+def test_extension_methods_set_on_a_tensor_instance_are_refused_when_traced(ranks, form):
+    """Dynamo sees a traced tensor's class, not methods set on the instance: those would be
+    silently skipped, so they are refused, naming the parameter and the fix; methods of a tensor
+    subclass work (`test_tensor_subclass_extension_compiled_equals_eager`). Refused before dynamo
+    traces (the root's hooks of ``torch.compile(model)`` run eagerly; ``FSDPModule.compile``
+    checks at its first call): inside a trace, torch 2.11's dynamo reports only "Observed
+    exception" (seen on the lent GPU machine, 2026-11-26)."""
+    for kind, message in ranks(1).run(_refused, form):
         if form != "step":
             assert kind == "RuntimeError", (kind, message)  # not dynamo's wrapper: raised outside the trace
         # Inside a step function's trace it is raised there, before lazy init (no path known: the
         # block's class names it); dynamo wraps it ("Observed exception"), our message in its
         # debug context.
         where = "FSDPTransformerBlock" if form == "step" else "layers.0"
-        assert f"traces module {where} as part of a whole compiled model" in message, message
-        what = "a custom all-gather (set_custom_all_gather) with reshard_after_forward=<int>"
-        assert f"does not support {what} yet" in message, message
-        assert "block.compile()" in message, message
-
-
-@pytest.mark.parametrize("form", ["wrap", "step"])
-def test_extension_methods_set_on_a_tensor_instance_are_refused_when_traced(ranks, form):
-    """Dynamo sees a traced tensor's class, not methods set on the instance: those would be
-    silently skipped, so they are refused (read outside the trace), naming the parameter and the
-    fix; methods of a tensor subclass work (`test_tensor_subclass_extension_compiled_equals_eager`)."""
-    for kind, message in ranks(1).run(_refused, form, "instance"):
-        where = "FSDPTransformerBlock" if form == "step" else "layers.0"  # as in the test above
         assert f"traces module {where} as part of a whole compiled model" in message, (kind, message)
         assert "extension methods set on the tensor instance of attention_norm.weight" in message, message
         assert "defined on a tensor subclass" in message and "block.compile()" in message, message
@@ -1149,11 +1199,24 @@ def test_placed_parameters_accumulate_without_sync_compiled(ranks, kind, world_s
         assert r["graphs"] == 2 and r["losses_equal"] and r["params_equal"], r
 
 
-@pytest.mark.parametrize("form", ["capture", "dispatch_mode"])
+@pytest.mark.parametrize("form", ["capture", "dispatch_mode", "custom"])
 def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
     """``reshard_after_forward=2`` at world 4: the forward gathers each block in two stages
     (across the pairs, then within one), the backward again within the pair only, from what the
-    first stage kept: no full parameter saved; equal to eager's int reshard to the bit."""
+    first stage kept: no full parameter saved; equal to eager's int reshard to the bit. With a
+    custom all-gather (``custom``), the first stage is eager's forward gather: the whole group
+    through the custom comm (once per block per forward, as eager), its rows for the pair kept."""
+    if form == "custom":
+        for r in ranks(4).run(_traced_vs_eager, "capture", 2, False, False, "method", True):
+            print(f"reshard=2, custom all-gather: {r}")
+            assert (r["fw_graphs"], r["bw_graphs"], r["graphs"]) == (1, 1, 1), r
+            # forward: per block the custom gather (whole group) then the pair's; the root's own
+            assert (r["fw_custom"], r["fw_ag"], r["bw_custom"], r["bw_ag"]) == (2, 3, 0, 3), r
+            assert r["bw_ag_sizes"] == [2, 2, 4] and r["saved_full_params"] == 0, r
+            assert r["custom_calls"] == [6, 6], r  # 2 blocks x 3 steps, eager and compiled
+            assert r["losses_equal"] or r["loss_diff"] <= TOL64, r
+            assert r["params_equal"] or r["param_diff"] <= TOL64, r
+        return
     if form == "dispatch_mode":  # run eagerly by dynamo: the eager engine's int reshard
         for r in ranks(4).run(_traced_vs_eager, "aot_eager", 2, False, False, form):
             assert r["losses_equal"] and r["params_equal"], r

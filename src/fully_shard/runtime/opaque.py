@@ -78,6 +78,19 @@ def custom_reduce_scatter(rs_input: torch.Tensor, key: int, world: int) -> torch
     return output
 
 
+@torch.library.custom_op("fully_shard::kept_rows", mutates_args=())
+def kept_rows(whole: torch.Tensor, size: int, pos: int) -> torch.Tensor:
+    """A custom all-gather's rows (``whole``: one per rank) that ``reshard_after_forward=size``
+    keeps at this rank's position ``pos``: those of ranks ``pos, pos + size, ...``, a tensor of
+    their own (the traced path saves this op's output for backward, `traced._recompute`)."""
+    return whole.view(whole.shape[0] // size, size, -1)[:, pos].clone()
+
+
+@kept_rows.register_fake
+def _(whole: torch.Tensor, size: int, pos: int) -> torch.Tensor:
+    return whole.new_empty((whole.shape[0] // size, *whole.shape[1:]))
+
+
 def _wait(work: Any) -> None:
     if work is not None:
         work.wait()

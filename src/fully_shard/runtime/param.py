@@ -532,7 +532,19 @@ class FSDPParam:
         hooks = param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
         if hooks:
             for hook in list(hooks.values()):
-                hook(param)
+                if not isinstance(hook, LowerGradHook):  # lowered at the end of backward here
+                    hook(param)
+
+    def lower_grads_once_accumulated(self, on: bool) -> None:
+        """``keep_low_precision_grads`` where autograd accumulates ``.grad`` (`LowerGradHook`):
+        add or remove the hook on the sharded parameter."""
+        param = self.sharded_param
+        hooks = param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+        ours = [k for k, h in (hooks or {}).items() if isinstance(h, LowerGradHook)]
+        if on and not ours:
+            param.register_post_accumulate_grad_hook(LowerGradHook())
+        for k in ours if not on else ():
+            del hooks[k]
 
     def lower_grad(self) -> None:
         """``keep_low_precision_grads``: ``.grad`` in ``param_dtype`` (accumulated in the
@@ -647,8 +659,11 @@ class FSDPParam:
 
     def _take_over(self, new: object, place: ParamPlace) -> None:
         """Make what was assigned at ``place`` the sharded parameter (refused if it cannot be)."""
+        hooks = self.sharded_param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+        lowering = any(isinstance(h, LowerGradHook) for h in (hooks or {}).values())
         self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
         register_sharded(self)
+        self.lower_grads_once_accumulated(lowering)
         for p in self.places:  # tied places stay tied
             p.set(self.sharded_param)
 
@@ -773,6 +788,18 @@ class FSDPParam:
 
 
 _MISSING = object()
+
+
+class LowerGradHook:
+    """``keep_low_precision_grads`` when autograd accumulates the sharded parameter's ``.grad``
+    itself (a compiled backward, runtime/traced.py): lowered once accumulated, as the eager engine
+    lowers it at the end of backward (`FSDPParam.lower_grad`; its own hook loop skips this one).
+    Stateless, found by type: a deepcopied parameter's copy reaches its own manager."""
+
+    def __call__(self, param: torch.Tensor) -> None:
+        fp = manager_of(param)  # type: ignore[arg-type]
+        if isinstance(fp, FSDPParam):
+            fp.lower_grad()
 
 
 def _is_subclass(t: torch.Tensor) -> bool:

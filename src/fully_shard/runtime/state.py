@@ -516,6 +516,9 @@ class FSDPState:
                 g.derive_dtypes()
             if self.settings.codecs != before.codecs:  # resolved again before the next all-gather
                 g.needs_sync = True
+            if self.settings.keep_low_precision_grads != before.keep_low_precision_grads:
+                for fp in g.params:  # (what a compiled backward needs; eager lowers at its end)
+                    fp.lower_grads_once_accumulated(self.settings.keep_low_precision_grads)
         self.resolve_reshard_after_forward()
 
     def may_share_collectives(self) -> bool:

@@ -188,34 +188,21 @@ def _instance_methods_of(key: int) -> bool:
 
 
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
-    """Raise, while tracing, for what the traced path does not do yet: each names the fix."""
-    s = state.settings
+    """Raise, while tracing, for what the traced path does not do: all-gather extension methods
+    set on a tensor instance (dynamo sees only a traced tensor's class), naming the fix."""
     if name is None:  # before lazy init (a compiled step's first trace) no state knows its path yet
         name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
-    unsupported = [
-        (s.keep_low_precision_grads, "keep_low_precision_grads"),
-        (  # its forward gathers in two stages, neither over the whole group (`_all_gather`)
-            s.custom_all_gather is not None and type(s.reshard_after_forward) is int,
-            "a custom all-gather (set_custom_all_gather) with reshard_after_forward=<int>",
-        ),
-    ]
     for g in state.groups:
         for fp in g.params:
-            unsupported += [
-                (
-                    _instance_methods(fp),
-                    f"all-gather extension methods set on the tensor instance of {fp.path} (defined on "
-                    "a tensor subclass, fsdp_pre_all_gather / fsdp_post_all_gather are supported)",
-                ),
-            ]
-    for bad, what in unsupported:
-        if bad:
-            raise RuntimeError(
-                f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the traced "
-                f"path does not support {what} yet. Fix: compile each block on its own instead "
-                "(for block in model.layers: block.compile()), where the eager engine drives the "
-                "collectives, or drop that setting (docs/compile.md)."
-            )
+            if _instance_methods(fp):
+                raise RuntimeError(
+                    f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the "
+                    f"traced path does not support all-gather extension methods set on the tensor instance "
+                    f"of {fp.path} (defined on a tensor subclass, fsdp_pre_all_gather / "
+                    "fsdp_post_all_gather are supported). Fix: compile each block on its own instead "
+                    "(for block in model.layers: block.compile()), where the eager engine drives the "
+                    "collectives, or define the methods on a tensor subclass (docs/compile.md)."
+                )
 
 
 # -- what Inductor may do with the collectives of a whole-model graph (FSDPModule.compile)
@@ -405,6 +392,8 @@ def _recompute() -> Any:
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op is _C10D.all_gather_into_tensor.default and is_across_group(args[2]):
             return CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.fully_shard.kept_rows.default:  # a custom all-gather's, as the above
+            return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.MUST_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
@@ -465,7 +454,13 @@ def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
     if pf is None:
         return funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(plan.world, -1)
     # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
-    kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
+    if plan.custom_all_gather is not None:  # the first stage as eager's forward: the whole group
+        # through the custom comm, the rows kept picked (the second stage, recomputed in backward,
+        # gathers within the k ranks with the default comm, as eager's backward does)
+        whole = opaque.custom_all_gather(flat_in, plan.custom_all_gather, plan.world).view(plan.world, -1)
+        kept = opaque.kept_rows(whole, pf.size, pf.rank).view(-1)
+    else:
+        kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
     out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
     return out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
 
