@@ -950,10 +950,14 @@ def test_replicated_modules_compiled_equal_eager(ranks, plain, world_size):
             assert r["param_diff"] <= TOL64, r
 
 
-def _fsdp1_low_precision_grads(reduce: str) -> dict:
+def _fsdp1_low_precision_grads(reduce: str, strategy: str, form: str, pattern: str) -> dict:
     """FSDP1's ``MixedPrecision(bf16, keep_low_precision_grads=True)`` (our `fully_shard.fsdp1`),
-    the whole model compiled vs eager: two synced backwards accumulate into ``.grad`` per step,
-    then SGD by hand (float32 parameters, bf16 gradients); every gradient compared."""
+    the whole model compiled vs eager; per step the micro-batches of ``pattern`` ("s": synced,
+    "n": under ``no_sync()``), then SGD by hand (float32 parameters, bf16 gradients); every step's
+    gradients compared. ``form``: "wrap" (``torch.compile(model)``), "method"
+    (``model.compile()``), "step" (a compiled function calling the model)."""
+    import contextlib
+
     import test_fsdp1_semantics as f1
     from torch._dynamo.utils import counters
 
@@ -963,20 +967,31 @@ def _fsdp1_low_precision_grads(reduce: str) -> dict:
     rank, w = world()
     mp = lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce),
                             keep_low_precision_grads=True)
+    kwargs = dict(use_orig_params=True, mixed_precision=mp, sharding_strategy=getattr(lib.ShardingStrategy, strategy))
     runs = {}
     for mode in ("eager", "compiled"):
         model = f1._model().float()
         for i in (0, 1):
-            model[i] = lib.FullyShardedDataParallel(model[i], use_orig_params=True, mixed_precision=mp)
-        model = lib.FullyShardedDataParallel(model, use_orig_params=True, mixed_precision=mp)
-        fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
+            model[i] = lib.FullyShardedDataParallel(model[i], **kwargs)
+        model = lib.FullyShardedDataParallel(model, **kwargs)
+        fn = model
+        if mode == "compiled" and form == "wrap":
+            fn = torch.compile(model, backend="aot_eager", fullgraph=True)
+        elif mode == "compiled" and form == "method":
+            model.compile(backend="aot_eager", fullgraph=True)
+        elif mode == "compiled":
+            fn = torch.compile(lambda x: model(x), backend="aot_eager", fullgraph=True)
         grads = []
         for step in range(2):
-            for micro in range(2):
-                x, y = f1._batch(2 * step + micro)
-                f1._loss(fn, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
-                grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
-                              for n, p in model.named_parameters()})  # (world 1: plain parameters)
+            for micro, kind in enumerate(pattern):
+                x, y = f1._batch(len(pattern) * step + micro)
+                with model.no_sync() if kind == "n" else contextlib.nullcontext():
+                    try:
+                        f1._loss(fn, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
+                    except Exception as e:  # (the stated limit: a trace meeting the lowered gradients)
+                        return {"error": f"{type(e).__name__}: {e}"}
+            grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+                          for n, p in model.named_parameters()})  # (world 1: plain parameters)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(p.grad.float(), alpha=-0.1)
@@ -991,15 +1006,27 @@ def _fsdp1_low_precision_grads(reduce: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("reduce,world_size", [("bfloat16", 1), ("float32", 2), ("bfloat16", 2), ("float32", 4)])
-def test_fsdp1_keep_low_precision_grads_compiled_equals_eager(ranks, reduce, world_size):
+@pytest.mark.parametrize("reduce,strategy,world_size,form,pattern", [
+    ("bfloat16", "FULL_SHARD", 1, "method", "ss"), ("float32", "FULL_SHARD", 2, "wrap", "ss"),
+    ("bfloat16", "SHARD_GRAD_OP", 2, "step", "nns"), ("float32", "HYBRID_SHARD", 4, "wrap", "nns"),
+])
+def test_fsdp1_keep_low_precision_grads_compiled_equals_eager(ranks, reduce, strategy, world_size, form, pattern):
     """``keep_low_precision_grads`` compiled: autograd accumulates the compiled backward's
     gradients into ``.grad``, a hook lowers them to bf16 once accumulated (eager lowers at the
-    end of its backward): equal to eager to the bit, also a second synced backward adding to a
-    bf16 ``.grad`` (in float32, as FSDP1 does) with a float32 reduction."""
-    for r in ranks(world_size).run(_fsdp1_low_precision_grads, reduce):
-        assert r["dtypes"] == ["torch.bfloat16"] and r["counts"] == [10] * 4, r
-        assert r["equal"] and r["graphs"] == 1, r
+    end of its backward): equal to eager to the bit, with a second synced backward adding to a
+    bf16 ``.grad`` (in float32, as FSDP1 does; "ss") and after ``no_sync()`` micro-batches
+    ("nns": a graph without sync and one with). float32 and bf16 reductions."""
+    for r in ranks(world_size).run(_fsdp1_low_precision_grads, reduce, strategy, form, pattern):
+        assert r.get("dtypes") == ["torch.bfloat16"] and r["counts"] == [10] * 2, r
+        assert r["equal"] and r["graphs"] == (1 if pattern == "ss" else 2), r
+
+
+def test_fsdp1_keep_low_precision_grads_a_trace_meeting_them_fails_loudly(ranks):
+    """The stated limit (docs/compile.md): torch cannot trace a parameter whose ``.grad`` has
+    another dtype. Here the second synced backward of a step needs a graph of its own (no unsynced
+    sums to take) while the first one's lowered gradients are held: dynamo refuses, loudly."""
+    (r,) = ranks(1).run(_fsdp1_low_precision_grads, "float32", "FULL_SHARD", "wrap", "nss")
+    assert "dtype mismatch between tensor and its gradient" in r.get("error", ""), r
 
 
 def _refused(form: str) -> tuple[str, str]:
