@@ -332,3 +332,36 @@ def test_summon_with_grads_writes_gradient_edits_back(ranks, world_size):
             assert all(torch.equal(a, b) for a, b in zip(ours["before"], theirs["before"]))
         else:  # a flat reduce-scatter vs per-parameter ones sum 4 float64 values in other orders
             assert max((a - b).abs().max().item() for a, b in zip(ours["before"], theirs["before"])) <= TOL64
+
+
+def _low_precision_copy_and_replacement() -> dict:
+    """keep_low_precision_grads: a model holding its bf16 gradients deep-copies (the copy's
+    gradients equal, in bf16: a copy used to fail assigning them); the copy, and a parameter
+    replaced by assignment, keep lowering when compiled whole (autograd accumulates there and a
+    hook on each parameter lowers: a copy or a replacement gets the hook again)."""
+    import copy
+
+    import fully_shard.fsdp1 as lib
+
+    rank, w = world()
+    mp = lib.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True)
+    model = lib.FullyShardedDataParallel(_model().float(), use_orig_params=True, mixed_precision=mp)
+    x, y = _batch(0)
+    _loss(model, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
+    twin = copy.deepcopy(model)
+    copied = [torch.equal(a.grad.to_local(), b.grad.to_local()) and b.grad.dtype == torch.bfloat16
+              for a, b in zip(model.parameters(), twin.parameters())]
+    lin = twin[0].lin
+    lin.weight = nn.Parameter(lin.weight.detach().clone())  # taken over at the next forward
+    twin.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    _loss(compiled, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
+    return {"copied": copied, "dtypes": sorted({str(p.grad.dtype) for p in twin.parameters()}),
+            "replaced_lowered": twin[0].lin.weight.grad.dtype == torch.bfloat16}
+
+
+def test_keep_low_precision_grads_survive_a_deepcopy_and_a_replaced_parameter(ranks):
+    for r in ranks(2).run(_low_precision_copy_and_replacement):
+        assert r["copied"] and all(r["copied"]), r
+        assert r["dtypes"] == ["torch.bfloat16"] and r["replaced_lowered"], r

@@ -1281,3 +1281,37 @@ def test_flat_sharded_parameters_compiled_equal_eager_to_the_bit(ranks, world_si
         print(f"flat, world {world_size}: {r}")
         assert r["graphs"] == 1 and r["losses_equal"] and r["params_equal"], r
         assert (r["fw_ag"], r["bw_rs"]) == ((0, 0) if world_size == 1 else (4, 4)), r
+
+
+def _assigned_in_a_copy() -> dict:
+    """A parameter assigned (``module.weight = nn.Parameter(...)``) in a deep copy of a sharded
+    model: the copy's compiled forward computes with it, as eager does. The copy's managers were
+    not told of assignments at their places (only eager's next all-gather noticed them), so the
+    whole-model graph read the replaced parameter: a silent wrong result until 2026-11-27."""
+    import torch.nn as nn
+
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    outs = {}
+    x = torch.randn(4, 7, dtype=torch.float64)
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = make_mlp()
+        for block in list(model)[:3]:
+            fully_shard(block)
+        fully_shard(model)
+        model(x).sum().backward()
+        model = copy.deepcopy(model)
+        block = model[0][0] if isinstance(model[0], nn.Sequential) else model[0]
+        block.weight = nn.Parameter(torch.zeros_like(block.weight.detach()))
+        fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            outs[mode] = fn(x)
+    return {"equal": torch.equal(outs["eager"], outs["compiled"])}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_parameter_assigned_in_a_deep_copy_is_what_the_compiled_copy_uses(ranks, world_size):
+    for r in ranks(world_size).run(_assigned_in_a_copy):
+        assert r["equal"], r

@@ -194,6 +194,8 @@ class FSDPParam:
         state = {k: v for k, v in self.sharded_param.__dict__.items() if k != "_local_tensor"}  # plain ones'
         param.__dict__.update(copy.deepcopy(state, memo))
         if self.sharded_param.grad is not None:
+            if hasattr(param, "grad_dtype"):  # keep_low_precision_grads: a .grad in another dtype
+                param.grad_dtype = self.sharded_param.grad_dtype  # type: ignore[attr-defined]
             param.grad = self.sharded_param.grad.clone()
         memo[id(self.sharded_param)] = param
         if self.padded_shard is not None:
@@ -215,6 +217,8 @@ class FSDPParam:
             padded_unsharded=empty,
         )
         register_sharded(new)
+        register_places(new, new.places)  # (what is assigned at the copy's places is handed to it)
+        new.lower_grads_once_accumulated(self._lowers_grads())
         return new
 
     def _path(self, fqn: str) -> str:
@@ -535,9 +539,14 @@ class FSDPParam:
                 if not isinstance(hook, LowerGradHook):  # lowered at the end of backward here
                     hook(param)
 
+    def _lowers_grads(self) -> bool:
+        hooks = self.sharded_param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
+        return any(isinstance(h, LowerGradHook) for h in (hooks or {}).values())
+
     def lower_grads_once_accumulated(self, on: bool) -> None:
         """``keep_low_precision_grads`` where autograd accumulates ``.grad`` (`LowerGradHook`):
-        add or remove the hook on the sharded parameter."""
+        add or remove the hook on the sharded parameter (a replacement or a copy gets it again:
+        tensor hooks are not copied)."""
         param = self.sharded_param
         hooks = param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
         ours = [k for k, h in (hooks or {}).items() if isinstance(h, LowerGradHook)]
@@ -659,8 +668,7 @@ class FSDPParam:
 
     def _take_over(self, new: object, place: ParamPlace) -> None:
         """Make what was assigned at ``place`` the sharded parameter (refused if it cannot be)."""
-        hooks = self.sharded_param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
-        lowering = any(isinstance(h, LowerGradHook) for h in (hooks or {}).values())
+        lowering = self._lowers_grads()
         self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
         register_sharded(self)
         self.lower_grads_once_accumulated(lowering)
