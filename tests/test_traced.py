@@ -1283,12 +1283,17 @@ def test_flat_sharded_parameters_compiled_equal_eager_to_the_bit(ranks, world_si
         assert (r["fw_ag"], r["bw_rs"]) == ((0, 0) if world_size == 1 else (4, 4)), r
 
 
-def _assigned_in_a_copy() -> dict:
-    """A parameter assigned (``module.weight = nn.Parameter(...)``) in a deep copy of a sharded
-    model: the copy's compiled forward computes with it, as eager does. The copy's managers were
-    not told of assignments at their places (only eager's next all-gather noticed them), so the
-    whole-model graph read the replaced parameter: a silent wrong result until 2026-11-27."""
+def _assigned(how: str) -> dict:
+    """A parameter replaced after fully_shard and before the whole-model compile: the compiled
+    forward computes with it, as eager does. ``how``: "copy", ``module.weight = nn.Parameter(...)``
+    in a deep copy of the model (the copy's managers were not told of assignments at their places:
+    only eager's next all-gather noticed them); "dict", ``module._parameters["weight"] = ...``
+    (no registration hook runs: as accelerate's ``set_module_tensor_to_device`` writes); "comm",
+    a deep copy of a model with a custom all-gather (its opaque op looks the copy's group up).
+    Until 2026-11-27 the graph read the replaced parameter (a silent wrong result), or the copy's
+    custom all-gather raised."""
     import torch.nn as nn
+    from test_comm_controls import CountingAllGather
 
     from fully_shard import fully_shard
 
@@ -1301,17 +1306,24 @@ def _assigned_in_a_copy() -> dict:
         for block in list(model)[:3]:
             fully_shard(block)
         fully_shard(model)
+        if how == "comm":
+            model[0].set_custom_all_gather(CountingAllGather())
         model(x).sum().backward()
-        model = copy.deepcopy(model)
+        if how in ("copy", "comm"):
+            model = copy.deepcopy(model)
         block = model[0][0] if isinstance(model[0], nn.Sequential) else model[0]
-        block.weight = nn.Parameter(torch.zeros_like(block.weight.detach()))
+        zeros = nn.Parameter(torch.zeros_like(block.weight.detach()))
+        if how == "dict":
+            block._parameters["weight"] = zeros
+        elif how == "copy":
+            block.weight = zeros
         fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
             outs[mode] = fn(x)
     return {"equal": torch.equal(outs["eager"], outs["compiled"])}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_a_parameter_assigned_in_a_deep_copy_is_what_the_compiled_copy_uses(ranks, world_size):
-    for r in ranks(world_size).run(_assigned_in_a_copy):
+@pytest.mark.parametrize("how,world_size", [("copy", 1), ("copy", 2), ("dict", 2), ("comm", 2), ("copy", 4)])
+def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, how, world_size):
+    for r in ranks(world_size).run(_assigned, how):
         assert r["equal"], r

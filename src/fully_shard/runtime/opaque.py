@@ -5,26 +5,23 @@ custom ops. Dynamo and Inductor see an op with a known output, not its Python: n
 at run time each op calls what the group's settings hold then, as the eager engine does. The
 compiler cannot reorder or bucket what happens inside (the op returns when its work is done).
 
-Each op takes a key: the ``id`` of the group's first `FSDPParam` (`traced.install` registers it in
-`PARAMS`), whose group holds the settings.
+Each op takes a key: the ``id`` of the group's first `FSDPParam` (`registry.managed_by_id`: every
+manager, a deep copy's too), whose group holds the settings.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
-
-# id -> FSDPParam (`traced.install`): what the ops, and `traced._instance_methods_of`, look up
-PARAMS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+from .registry import managed_by_id
 
 
 def _group(key: int, what: str, read: Callable[[Any], Any]) -> tuple[Any, Any]:
-    fp = PARAMS.get(key)
+    fp: Any = managed_by_id(key)
     found = read(fp.group.settings) if fp is not None and fp.group is not None else None
     if found is None:  # dynamo guards on the settings: a graph runs with what it was traced for
         raise RuntimeError(

@@ -37,6 +37,7 @@ class Managed(Protocol):
 _ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _SHARDED: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
 _UNSHARDED: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
+_BY_ID: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionary()
 # module -> {parameter name: its owner, weakly (the owner holds the module)}.
 _PLACES: "weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
 _hook: list[Any] = []  # the registration hook's handle, once installed
@@ -62,8 +63,14 @@ def register_original(original: nn.Parameter, managed: Managed) -> None:
 
 
 def register_sharded(managed: Managed) -> None:
-    """Record ``managed.sharded_param`` (call again whenever it is replaced)."""
+    """Record ``managed.sharded_param`` (call again whenever it is replaced), and ``managed`` by
+    its ``id`` (`managed_by_id`: what compiled graphs look their groups up by)."""
     _SHARDED[id(managed.sharded_param)] = managed
+    _BY_ID[id(managed)] = managed
+
+
+def managed_by_id(key: int) -> Optional[Managed]:
+    return _BY_ID.get(key)
 
 
 def register_unsharded(managed: Managed, unsharded: nn.Parameter) -> None:

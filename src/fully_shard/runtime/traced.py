@@ -54,6 +54,7 @@ from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, class_hooks, instance_methods, rebind
 from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
+from .registry import managed_by_id
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
@@ -142,7 +143,6 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
     by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
     for fp, place in places:
-        opaque.PARAMS[id(fp)] = fp
         by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
     state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
     modules = state.__dict__.setdefault("_traced_modules", [])
@@ -183,7 +183,7 @@ def _instance_methods(fp: Any) -> bool:
 
 @torch.compiler.assume_constant_result
 def _instance_methods_of(key: int) -> bool:
-    fp = opaque.PARAMS.get(key)
+    fp: Any = managed_by_id(key)
     return fp is not None and instance_methods(fp.local_shard)
 
 
@@ -287,6 +287,7 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     recomputed (backward gathers within ``k`` ranks, as eager's `PostForwardGroup`)."""
     params = group.params
     post_forward = group.post_forward if type(reshard) is int and group.info.world_size > 1 else None
+    _take_over_assigned(id(params[0]))
     plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
     accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
@@ -323,6 +324,20 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
         context_fn=_recompute,
         preserve_rng_state=False,
     )
+
+
+@torch.compiler.assume_constant_result
+def _take_over_assigned(key: int) -> bool:
+    """At trace time (a plain call when run eagerly): what was written into a place of the group's
+    parameters without ``module.<name> = ...`` (``module._parameters[name] = p``, as accelerate's
+    ``set_module_tensor_to_device`` does) is taken over (or refused) now, as eager's next
+    all-gather would, so that the graph reads it. A graph made before such a write does not see
+    it (docs/compile.md)."""
+    fp: Any = managed_by_id(key)
+    for p in fp.group.params if fp is not None and fp.group is not None else ():
+        if p._adopt_assigned():
+            fp.group.needs_sync = True  # eager's next all-gather moves its local tensor in
+    return True
 
 
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
