@@ -989,7 +989,7 @@ def _fsdp1_low_precision_grads(reduce: str, strategy: str, form: str, pattern: s
                     try:
                         f1._loss(fn, x.float().chunk(w)[rank], y.float().chunk(w)[rank]).backward()
                     except Exception as e:  # (the stated limit: a trace meeting the lowered gradients)
-                        return {"error": f"{type(e).__name__}: {e}"}
+                        return {"error": f"{type(e).__name__}: {e}", "at": (step, micro)}
             grads.append({n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
                           for n, p in model.named_parameters()})  # (world 1: plain parameters)
             with torch.no_grad():

@@ -802,11 +802,13 @@ class LowerGradHook:
     """``keep_low_precision_grads`` when autograd accumulates the sharded parameter's ``.grad``
     itself (a compiled backward, runtime/traced.py): lowered once accumulated, as the eager engine
     lowers it at the end of backward (`FSDPParam.lower_grad`; its own hook loop skips this one).
-    Stateless, found by type: a deepcopied parameter's copy reaches its own manager."""
+    Stateless, found by type: a deepcopied parameter's copy reaches its own manager. Not in a
+    backward without gradient sync (torch 2.11's compiled one hands the shard a zero gradient
+    there: kept in the parameter's dtype, a later trace can read the parameter)."""
 
     def __call__(self, param: torch.Tensor) -> None:
         fp = manager_of(param)  # type: ignore[arg-type]
-        if isinstance(fp, FSDPParam):
+        if isinstance(fp, FSDPParam) and (fp.group is None or fp.group.settings.requires_gradient_sync):
             fp.lower_grad()
 
 
