@@ -352,7 +352,7 @@ def _low_precision_copy_and_replacement() -> dict:
     copied = [torch.equal(a.grad.to_local(), b.grad.to_local()) and b.grad.dtype == torch.bfloat16
               for a, b in zip(model.parameters(), twin.parameters())]
     lin = twin[0].lin
-    lin.weight = nn.Parameter(lin.weight.detach().clone())  # taken over at the next forward
+    lin.weight = nn.Parameter(lin.weight.detach().clone())  # taken over at once (the copy knows its places)
     twin.zero_grad()
     torch._dynamo.reset()
     compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
