@@ -218,7 +218,7 @@ class FSDPParam:
         )
         register_sharded(new)
         register_places(new, new.places)  # (what is assigned at the copy's places is handed to it)
-        new.lower_grads_once_accumulated(self._lowers_grads())
+        new.lower_grads_once_accumulated(self._keeps_low_precision_grads())  # (the copy's group: mid-copy)
         return new
 
     def _path(self, fqn: str) -> str:
@@ -539,9 +539,8 @@ class FSDPParam:
                 if not isinstance(hook, LowerGradHook):  # lowered at the end of backward here
                     hook(param)
 
-    def _lowers_grads(self) -> bool:
-        hooks = self.sharded_param._post_accumulate_grad_hooks  # type: ignore[attr-defined]
-        return any(isinstance(h, LowerGradHook) for h in (hooks or {}).values())
+    def _keeps_low_precision_grads(self) -> bool:
+        return self.group is not None and self.group.settings.keep_low_precision_grads
 
     def lower_grads_once_accumulated(self, on: bool) -> None:
         """``keep_low_precision_grads`` where autograd accumulates ``.grad`` (`LowerGradHook`):
@@ -668,10 +667,9 @@ class FSDPParam:
 
     def _take_over(self, new: object, place: ParamPlace) -> None:
         """Make what was assigned at ``place`` the sharded parameter (refused if it cannot be)."""
-        lowering = self._lowers_grads()
         self.sharded_param = self._accept_replacement(new, self._path(place.fqn))
         register_sharded(self)
-        self.lower_grads_once_accumulated(lowering)
+        self.lower_grads_once_accumulated(self._keeps_low_precision_grads())
         for p in self.places:  # tied places stay tied
             p.set(self.sharded_param)
 
