@@ -488,7 +488,7 @@ def main() -> None:
 
     if rank == 0:
         table, rows = report(names, args, device, world, medians, spans, host, peaks, reserved_peaks, comm)
-        if args.compile:
+        if args.compile and "torch_fsdp2+blocks" in names:
             d = medians["torch_fsdp2+blocks"]
             mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
             table += "\n" + "".join(
@@ -536,7 +536,8 @@ def report(names: list[str], args: argparse.Namespace, device: torch.device, wor
            spans: dict, host: dict, peaks: list, reserved_peaks: list, comm: dict) -> tuple[str, dict]:
     """The markdown table (rank 0) and the JSON rows. ``peaks`` / ``reserved_peaks``: every rank's
     per-implementation lists (``reserved_peaks``' dicts are empty on CPU)."""
-    ours = medians["ours"]
+    base = "ours" if "ours" in names else names[0]  # the ratios' reference row (--only may leave ours out)
+    ours = medians[base]
     on_device = device.type != "cpu"
     llama = args.model == "llama"
     if llama:
@@ -555,18 +556,19 @@ def report(names: list[str], args: argparse.Namespace, device: torch.device, wor
         where = f"{device.type.upper()} ({card})/{dist.get_backend()}"
         memory = ("memory: max_memory_allocated in a step minus allocated before the model was built, and the "
                   "reserved peak minus reserved then")
-        mem_header = "peak MiB per rank (max_memory_allocated) [min-max] | ours / this | reserved peak MiB per rank"
+        mem_header = (f"peak MiB per rank (max_memory_allocated) [min-max] | {base} / this | "
+                      "reserved peak MiB per rank")
     else:
         where = "CPU/gloo"
         memory = "memory: allocator peak per rank"
-        mem_header = "peak MiB per rank (allocator) [min-max] | ours / this"
+        mem_header = f"peak MiB per rank (allocator) [min-max] | {base} / this"
     lines = [
         f"world {world}{' as HSDP (2 replicas x ' + str(world // 2) + ' shards)' if args.hsdp else ''}, {where}, "
         f"{args.param_dtype} params, {shape}; {args.rounds} interleaved rounds x "
         f"{args.steps_per_round} steps; {memory}, max over ranks, median [min-max] of "
         f"{args.memory_repeats} builds x 3 steps; torch {torch.__version__}",
         "",
-        f"| implementation | median step (ms) [min-max] | ours / this |{' tokens/s |' if llama else ''} "
+        f"| implementation | median step (ms) [min-max] | {base} / this |{' tokens/s |' if llama else ''} "
         f"host CPU ms/step | {mem_header} | collectives / step | comm MiB / rank / step |",
         "|---" * (8 + llama + on_device) + "|",
     ]
@@ -584,7 +586,7 @@ def report(names: list[str], args: argparse.Namespace, device: torch.device, wor
         cells = [name, f"{medians[name] * 1e3:.2f} [{lo * 1e3:.1f}-{hi * 1e3:.1f}]", f"{ours / medians[name]:.3f}"]
         cells += [f"{tokens:,.0f}"] if llama else []
         cells += [f"{host[name] * 1e3:.2f}", f"{med:.1f} [{min(mib[name]):.1f}-{max(mib[name]):.1f}]",
-                  f"{statistics.median(mib['ours']) / med:.3f}"]
+                  f"{statistics.median(mib[base]) / med:.3f}"]
         if on_device:
             res = reserved_mib[name]
             cells.append(f"{statistics.median(res):.1f} [{min(res):.1f}-{max(res):.1f}]")

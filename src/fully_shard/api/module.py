@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..runtime import traced
+from ..runtime import inductor_options, traced
 from ..runtime.lifecycle import Event, IterationPhase, TrainingPhase
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.registry import class_name
@@ -81,7 +81,7 @@ class FSDPModule:
         (GPU), ``"as_traced"`` (none). docs/compile.md."""
         groups = [g for state in self._fsdp_states(True) for g in state.own]
         device_type = self._get_fsdp_state().info.device.type
-        whole = traced.compile_options(collectives, kwargs, groups, device_type)
+        whole = inductor_options.compile_options(collectives, kwargs, groups, device_type)
         self._compiled_call_impl = _CompileOnFirstCall(self, args, kwargs, whole)  # type: ignore[assignment]
 
     def _fsdp_states(self, recurse: bool) -> Iterable[FSDPState]:
