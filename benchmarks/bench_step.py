@@ -105,6 +105,7 @@ class Impl:
         self.kind = kind
         self.device = torch.device(device)  # where its batches go
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.opt_step = self.opt.step  # torch.compile(opt.step) for the rows that compile the whole step
         self.times: list[float] = []
         self.host_times: list[float] = []  # CPU time of the Python thread (our hooks, autograd, optimizer)
 
@@ -119,7 +120,7 @@ class Impl:
             x = torch.randn(args.batch, self.width, generator=gen).chunk(world)[rank].to(self.device)
             loss = self.model(x).pow(2).mean()
         loss.backward()
-        self.opt.step()
+        self.opt_step()
         self.opt.zero_grad()
 
     @property
@@ -199,7 +200,9 @@ def build(name: str, args: argparse.Namespace) -> Impl:
     else:
         mesh = init_device_mesh(device.type, (world,))
     dtype = PARAM_DTYPES[args.param_dtype]
-    name, _, compiled = name.partition("+")  # +blocks: each block compiled; +model: the whole model
+    # +blocks: each block compiled; +model: the whole model; +step: the whole model and the optimizer's
+    # step (torch.compile(opt.step)); +blocks+opt: each block and the optimizer's step
+    name, _, compiled = name.partition("+")
     if name.startswith("ours"):
         from fully_shard import MixedPrecisionPolicy, fully_shard
 
@@ -230,14 +233,17 @@ def build(name: str, args: argparse.Namespace) -> Impl:
             model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     else:
         raise ValueError(name)
-    if compiled == "blocks":  # in place, after sharding: the hooks stay outside each block's graph
+    if compiled.startswith("blocks"):  # in place, after sharding: the hooks stay outside each block's graph
         for block in blocks:
             block.compile(backend=args.compile_backend)
-    elif compiled.startswith("model"):  # ours: one graph, the collectives in it (docs/compile.md)
+    elif compiled.startswith("model") or compiled == "step":  # ours: one graph, the collectives in it
         _, _, collectives = compiled.partition(":")  # +model:bucket: FSDPModule.compile(collectives=...)
         extra = {"collectives": collectives} if collectives else {}
         model.compile(backend=args.compile_backend, fullgraph=True, **extra)
-    return Impl(name + (f"+{compiled}" if compiled else ""), model, args.model, device)
+    impl = Impl(name + (f"+{compiled}" if compiled else ""), model, args.model, device)
+    if compiled in ("step", "blocks+opt"):
+        impl.opt_step = torch.compile(impl.opt.step, backend=args.compile_backend)
+    return impl
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -417,7 +423,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=DEFAULT_HEADS, help="llama's attention heads (must divide --dim)")
     p.add_argument("--compile", action="store_true",
                    help="rows: ours eager, ours+blocks (each block compiled), ours+model (the whole model, "
-                        "collectives in the graph), torch_fsdp2+blocks; the first step's time (compiling) is reported")
+                        "collectives in the graph), ours+step (the whole model and torch.compile(optimizer.step)), "
+                        "torch_fsdp2+blocks, torch_fsdp2+blocks+opt (and its optimizer step compiled); the first "
+                        "step's time (compiling) is reported")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-collectives", action="append", default=[],
                    help="with --compile: also a row ours+model:NAME, the whole model compiled with "
@@ -434,6 +442,14 @@ def main() -> None:
         raise SystemExit(f"--heads {args.heads} must divide --dim {args.dim} into an even head size (rotary pairs)")
 
     device = init_distributed(args.device)
+    if args.compile:
+        # torch 2.13's AOTAutograd cache keys a DTensor input by its global shape only: a rank whose
+        # uneven shard differs would load another rank's compiled optimizer step from a shared cache
+        # directory and fail its size check (docs/compile.md). One cache directory per rank.
+        import tempfile
+
+        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_bench"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{dist.get_rank()}")
     if args.schedule_check:
         from fully_shard.debug import set_schedule_check
 
@@ -445,8 +461,8 @@ def main() -> None:
         # Every whole-model row compiles the same code (nn.Module._call_impl) for a model of its own,
         # built twice (memory, then timing): each is a cache entry of that one code object.
         torch._dynamo.config.recompile_limit = 64
-        names = ["ours", "ours+blocks", "ours+model", *(f"ours+model:{c}" for c in args.compile_collectives),
-                 "torch_fsdp2+blocks"]
+        names = ["ours", "ours+blocks", "ours+model", "ours+step",
+                 *(f"ours+model:{c}" for c in args.compile_collectives), "torch_fsdp2+blocks", "torch_fsdp2+blocks+opt"]
     if args.unbucketed:
         names.insert(1, "ours_unbucketed")
     for n in args.in_flight:
@@ -489,12 +505,12 @@ def main() -> None:
     if rank == 0:
         table, rows = report(names, args, device, world, medians, spans, host, peaks, reserved_peaks, comm)
         if args.compile and "torch_fsdp2+blocks" in names:
-            d = medians["torch_fsdp2+blocks"]
             mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
+            pairs = [(n, "torch_fsdp2+blocks") for n in names if n.startswith(("ours+model", "ours+step"))]
+            pairs += [("ours+step", "torch_fsdp2+blocks+opt")] if {"ours+step", "torch_fsdp2+blocks+opt"} <= set(names) else []
             table += "\n" + "".join(
-                f"whole model compiled ({n}) / PyTorch per-block compiled (torch_fsdp2+blocks): step "
-                f"time {medians[n] / d:.2f}x, peak memory {mib[n] / mib['torch_fsdp2+blocks']:.2f}x\n"
-                for n in names if n.startswith("ours+model"))
+                f"{n} / {t}: step time {medians[n] / medians[t]:.2f}x, peak memory {mib[n] / mib[t]:.2f}x\n"
+                for n, t in pairs)
             table += ("first step of the first build (compiling, cold), s: " + ", ".join(f"{n} {first_step[n]:.1f}" for n in names) + "\n")
         emit(table, args.out)
         if args.json:
