@@ -1292,10 +1292,14 @@ def _assigned(how: str) -> dict:
     in a deep copy of the model (the copy's managers were not told of assignments at their places:
     only eager's next all-gather noticed them); "dict", ``module._parameters["weight"] = ...``
     (no registration hook runs: as accelerate's ``set_module_tensor_to_device`` writes); "comm",
-    a deep copy of a model with a custom all-gather (its opaque op looks the copy's group up).
+    a deep copy of a model with a custom all-gather (its opaque op looks the copy's group up);
+    "dict_after": the ``_parameters`` write after the model was compiled and ran (dynamo guards on
+    what each place holds: one retrace, which takes the new parameter over).
     Until 2026-11-27 the graph read the replaced parameter (a silent wrong result), or the copy's
     custom all-gather raised."""
     import torch.nn as nn
+    from torch._dynamo.utils import counters
+
     from test_comm_controls import CountingAllGather
 
     from fully_shard import fully_shard
@@ -1314,19 +1318,23 @@ def _assigned(how: str) -> dict:
         model(x).sum().backward()
         if how in ("copy", "comm"):
             model = copy.deepcopy(model)
+        fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
+        if how == "dict_after":
+            with torch.no_grad():
+                fn(x)
         block = model[0][0] if isinstance(model[0], nn.Sequential) else model[0]
         zeros = nn.Parameter(torch.zeros_like(block.weight.detach()))
-        if how == "dict":
+        if how in ("dict", "dict_after"):
             block._parameters["weight"] = zeros
         elif how == "copy":
             block.weight = zeros
-        fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
             outs[mode] = fn(x)
-    return {"equal": torch.equal(outs["eager"], outs["compiled"])}
+    return {"equal": torch.equal(outs["eager"], outs["compiled"]), "graphs": counters["stats"]["unique_graphs"]}
 
 
-@pytest.mark.parametrize("how,world_size", [("copy", 1), ("copy", 2), ("dict", 2), ("comm", 2), ("copy", 4)])
+@pytest.mark.parametrize("how,world_size", [("copy", 1), ("copy", 2), ("dict", 2), ("comm", 2), ("copy", 4),
+                                              ("dict_after", 1), ("dict_after", 2), ("dict_after", 4)])
 def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, how, world_size):
     for r in ranks(world_size).run(_assigned, how):
-        assert r["equal"], r
+        assert r["equal"] and r["graphs"] == (2 if how == "dict_after" else 1), r

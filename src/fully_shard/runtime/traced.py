@@ -217,6 +217,7 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     params = group.params
     post_forward = group.post_forward if type(reshard) is int and group.info.world_size > 1 else None
     _take_over_assigned(id(params[0]))
+    _guard_places(params)
     plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
     accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
@@ -267,6 +268,17 @@ def _take_over_assigned(key: int) -> bool:
         if p._adopt_assigned():
             fp.group.needs_sync = True  # eager's next all-gather moves its local tensor in
     return True
+
+
+def _guard_places(params: list[Any]) -> None:
+    """Compare what each place of ``params`` holds with the sharded parameter the graph reads: dynamo
+    guards on the answer, so a parameter written there later without ``module.<name> = ...``
+    (``module._parameters[name] = p``) fails the guard and retraces, and the retrace takes it over
+    (`_take_over_assigned`). Always the same at trace time: they were just reconciled."""
+    for fp in params:
+        for place in fp.places:
+            if place.get() is not fp.sharded_param:
+                return
 
 
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
