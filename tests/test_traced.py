@@ -1333,6 +1333,56 @@ def _assigned(how: str) -> dict:
     return {"equal": torch.equal(outs["eager"], outs["compiled"]), "graphs": counters["stats"]["unique_graphs"]}
 
 
+def _compiled_while_unsharded(how: str) -> dict:
+    """A whole-model compiled call while the engine holds the groups unsharded (their places hold
+    the unsharded parameters): it gathers from the shards, equal to eager, and the unsharded
+    parameters are not mistaken for a user's replacement. ``how``: "unshard_first", ``model.unshard()``
+    before the first compiled call; "unshard_after", after one; "kept", after an eager micro-batch
+    without sync that keeps the parameters unsharded (``set_reshard_after_backward(False)``). Then
+    ``reshard()`` and a compiled call again: 2 graphs (dynamo guards on what the places hold).
+    Until 2026-11-27 the trace raised "changed while unsharded"."""
+    from torch._dynamo.utils import counters
+
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    x = torch.randn(4, 7, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = make_mlp()
+    for block in list(model)[:3]:
+        fully_shard(block)
+    fully_shard(model)
+    with torch.no_grad():
+        ref = model(x)
+    fn = torch.compile(model, backend="aot_eager", fullgraph=True)
+    if how == "unshard_after":
+        with torch.no_grad():
+            fn(x)
+    if how == "kept":
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        model(x).sum().backward()
+        model.zero_grad()
+        model.set_requires_gradient_sync(True)
+        model.set_reshard_after_backward(True)
+    else:
+        model.unshard()
+    with torch.no_grad():
+        while_unsharded = fn(x)
+    model.reshard()
+    with torch.no_grad():
+        after = fn(x)
+    return {"equal": torch.equal(while_unsharded, ref) and torch.equal(after, ref),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.parametrize("how,world_size", [("unshard_first", 2), ("unshard_after", 1), ("unshard_after", 2),
+                                              ("unshard_after", 4), ("kept", 2)])
+def test_a_compiled_call_while_unsharded_gathers_from_the_shards(ranks, how, world_size):
+    for r in ranks(world_size).run(_compiled_while_unsharded, how):
+        assert r["equal"] and r["graphs"] == 2, r
+
+
 @pytest.mark.parametrize("how,world_size", [("copy", 1), ("copy", 2), ("dict", 2), ("comm", 2), ("copy", 4),
                                               ("dict_after", 1), ("dict_after", 2), ("dict_after", 4)])
 def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, how, world_size):

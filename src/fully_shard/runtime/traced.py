@@ -264,21 +264,24 @@ def _take_over_assigned(key: int) -> bool:
     all-gather would, so that the graph reads it. A graph made before such a write does not see
     it (docs/compile.md)."""
     fp: Any = managed_by_id(key)
-    for p in fp.group.params if fp is not None and fp.group is not None else ():
+    if fp is None or fp.group is None or fp.is_unsharded:  # (the places hold the engine's own
+        return True  # unsharded parameters: one written meanwhile is taken over at the reshard)
+    for p in fp.group.params:
         if p._adopt_assigned():
             fp.group.needs_sync = True  # eager's next all-gather moves its local tensor in
     return True
 
 
 def _guard_places(params: list[Any]) -> None:
-    """Compare what each place of ``params`` holds with the sharded parameter the graph reads: dynamo
-    guards on the answer, so a parameter written there later without ``module.<name> = ...``
+    """Compare what each place of ``params`` holds with the parameter the engine put there (the
+    sharded one, or the unsharded one while the group is unsharded: ``unshard()``): dynamo guards on
+    the answers, so a parameter written there later without ``module.<name> = ...``
     (``module._parameters[name] = p``) fails the guard and retraces, and the retrace takes it over
-    (`_take_over_assigned`). Always the same at trace time: they were just reconciled."""
+    (`_take_over_assigned`); so does an unshard or reshard between compiled calls (a graph each)."""
     for fp in params:
+        held = fp.unsharded_param if fp.is_unsharded else fp.sharded_param
         for place in fp.places:
-            if place.get() is not fp.sharded_param:
-                return
+            _ = place.get() is held  # (the answer is not needed here, only dynamo's guard on it)
 
 
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
