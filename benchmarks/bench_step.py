@@ -470,6 +470,9 @@ def main() -> None:
     for n in args.bucket_bytes:
         names.insert(1, f"ours_bucket_{n}")
     if args.only:
+        unknown = sorted(set(args.only) - set(names))
+        if unknown:
+            raise SystemExit(f"--only {unknown}: not rows of this run; its rows are {names}")
         names = [n for n in names if n in args.only]
     if args.float8 and args.model != "llama":
         raise SystemExit("--float8 converts the llama model's Linear layers; use --model llama")

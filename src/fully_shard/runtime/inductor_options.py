@@ -58,10 +58,15 @@ def _forward_all_gather_bucketing(cap_mb: float) -> Any:
             from torch._inductor.pattern_matcher import stable_topological_sort
 
             bucket_all_gather(graph.owning_module, functools.partial(_bucket_cap_mb, cap_mb))
-            stable_topological_sort(graph)  # a bucket's inputs may be made after its first member
+            # a bucket's inputs may be made after its first member (Inductor sorts after the custom
+            # pass too, in 2.11 and 2.13: kept in case it stops)
+            stable_topological_sort(graph)
 
         def uuid(self) -> Optional[Any]:  # Inductor's cache key for this pass
             return f"fully_shard.forward_all_gather_bucketing.v1.{cap_mb!r}"
+
+        def __reduce__(self) -> tuple[Any, tuple[float]]:  # pickled (e.g. with a compiled model) by name
+            return _forward_all_gather_bucketing, (cap_mb,)
 
     return ForwardAllGatherBucketing()
 
