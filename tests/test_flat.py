@@ -55,7 +55,10 @@ def _flat_vs_default(mesh_shape=None, reshard=True) -> dict:
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
     ref = make_mlp()
-    flat, default = _shard(copy.deepcopy(ref), True, mesh, reshard), _shard(copy.deepcopy(ref), False, mesh, reshard)
+    flat, default = (
+        _shard(copy.deepcopy(ref), True, mesh, reshard),
+        _shard(copy.deepcopy(ref), False, mesh, reshard),
+    )
     shapes = {n: (tuple(p.shape), p.placements) for n, p in flat.named_parameters()}
     with debug.trace() as t:
         a = _train(flat)
@@ -71,8 +74,10 @@ def _flat_vs_default(mesh_shape=None, reshard=True) -> dict:
         "losses_equal": a == b,
         "loss_diff_ref": max(abs(x - y) for x, y in zip(a, ref_losses)),
         "state_dict_like_default": all(
-            fs[k].shape == ds[k].shape and fs[k].placements == ds[k].placements
-            and fs[k].to_local().shape == ds[k].to_local().shape for k in ds
+            fs[k].shape == ds[k].shape
+            and fs[k].placements == ds[k].placements
+            and fs[k].to_local().shape == ds[k].to_local().shape
+            for k in ds
         ),
         "params_equal": all(torch.equal(fs[k].to_local(), ds[k].to_local()) for k in ds),
         "param_diff_ref": max((fs[k].full_tensor() - theirs[k].detach()).abs().max().item() for k in ds),
@@ -117,7 +122,9 @@ def test_flat_trains_as_the_default_layout_with_less_padding(ranks, world_size):
 def test_flat_on_an_hsdp_mesh_and_kept_after_forward(ranks):
     for r in ranks(4).run(_flat_vs_default, (2, 2), False):
         assert r["shapes"]["0.0.weight"][1] == (torch.distributed.tensor.Replicate(), Shard(0)), r
-        assert r["state_dict_like_default"] and r["loss_diff_ref"] <= TOL64 and r["param_diff_ref"] <= TOL64, r
+        assert (
+            r["state_dict_like_default"] and r["loss_diff_ref"] <= TOL64 and r["param_diff_ref"] <= TOL64
+        ), r
 
 
 def _dcp(path: str, save_flat: bool, load_flat: bool, saving: bool) -> dict:
@@ -137,7 +144,9 @@ def _dcp(path: str, save_flat: bool, load_flat: bool, saving: bool) -> dict:
 
 
 @pytest.mark.parametrize("save_flat,load_flat", [(True, False), (False, True), (True, True)])
-def test_dcp_checkpoints_interchange_with_the_default_layout_across_world_sizes(ranks, tmp_path, save_flat, load_flat):
+def test_dcp_checkpoints_interchange_with_the_default_layout_across_world_sizes(
+    ranks, tmp_path, save_flat, load_flat
+):
     path = str(tmp_path / "ckpt")
     saved = ranks(4).run(_dcp, path, save_flat, load_flat, True)[0]
     for loaded in ranks(2).run(_dcp, path, save_flat, load_flat, False):
@@ -146,7 +155,11 @@ def test_dcp_checkpoints_interchange_with_the_default_layout_across_world_sizes(
 
 
 def _full_state_dict_round_trip() -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     ref = make_mlp()
     model = _shard(copy.deepcopy(ref), True)
@@ -170,8 +183,12 @@ def _full_state_dict_round_trip() -> dict:
     except RuntimeError as e:
         refused = str(e)
     still = all(torch.equal(loaded.state_dict()[k].full_tensor(), before[k]) for k in before)
-    return {"equal_to_ref": equal_to_ref, "loaded": all(torch.equal(back[k], full_copy[k]) for k in full_copy),
-            "refused": refused, "unchanged_after_refusal": still}
+    return {
+        "equal_to_ref": equal_to_ref,
+        "loaded": all(torch.equal(back[k], full_copy[k]) for k in full_copy),
+        "refused": refused,
+        "unchanged_after_refusal": still,
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -193,7 +210,10 @@ def _tp_refused() -> str:
     try:
         fully_shard(model, mesh=mesh["dp"], shard_placement_fn=_flat)
     except ValueError as e:
-        return str(e) + f" | still a TP DTensor: {isinstance(model[0].weight, DTensor) and model[0].weight.placements}"
+        return (
+            str(e)
+            + f" | still a TP DTensor: {isinstance(model[0].weight, DTensor) and model[0].weight.placements}"
+        )
     return "no error"
 
 
@@ -216,7 +236,10 @@ def _codec_refused() -> str:
 
 def test_an_all_gather_codec_on_flat_parameters_is_refused_with_the_fix(ranks):
     for message in ranks(2).run(_codec_refused):
-        assert "parameter '3.weight' is sharded flat (codecs gather dim-0 shards); nothing was changed" in message, message
+        assert (
+            "parameter '3.weight' is sharded flat (codecs gather dim-0 shards); nothing was changed"
+            in message
+        ), message
         assert "Fix: leave it out" in message, message
 
 
@@ -265,12 +288,16 @@ def _through_checkpoint_wrapper(where: str) -> dict:
         out[flat] = model
     sd_flat, sd_default = out[True].state_dict(), out[False].state_dict()
     same = sd_flat.keys() == sd_default.keys() and all(
-        sd_flat[k].shape == sd_default[k].shape and torch.equal(sd_flat[k].full_tensor(), sd_default[k].full_tensor())
+        sd_flat[k].shape == sd_default[k].shape
+        and torch.equal(sd_flat[k].full_tensor(), sd_default[k].full_tensor())
         for k in sd_default
     )
     out[True].load_state_dict(sd_default)  # the default layout's state dict into the flat model
     back = out[True].state_dict()
-    return {"same": same, "loaded": all(torch.equal(back[k].full_tensor(), sd_default[k].full_tensor()) for k in back)}
+    return {
+        "same": same,
+        "loaded": all(torch.equal(back[k].full_tensor(), sd_default[k].full_tensor()) for k in back),
+    }
 
 
 @pytest.mark.parametrize("where", ["wrapper", "root"])
@@ -278,3 +305,129 @@ def test_flat_state_dicts_through_checkpoint_wrapper(ranks, where):
     for r in ranks(2).run(_through_checkpoint_wrapper, where):
         assert r["same"] and r["loaded"], r
 
+
+def _steps(model, opt, steps, first=0):
+    rank, w = world()
+    for step in range(first, first + steps):
+        x, y = (t.chunk(w)[rank] for t in mlp_batch(step))
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _full_state(opt) -> dict:
+    """The optimizer's state dict, tensors full (keys: index, state name)."""
+    out = {}
+    for index, entry in opt.state_dict()["state"].items():
+        for k, v in entry.items():
+            out[(index, k)] = (v.full_tensor() if isinstance(v, DTensor) else v).clone()  # (may be live)
+    return out
+
+
+def _optim_dcp(path: str, save_flat: bool, load_flat: bool, saving: bool) -> dict:
+    """Model and optimizer through DCP, the way torchtitan checkpoints (`get_*_state_dict`, then
+    `set_*_state_dict`): saved after 2 steps, loaded into a fresh run (another layout and world
+    size), which then steps once more. Returns the full optimizer state as saved / as loaded,
+    and after the extra step the full parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _shard(make_mlp(), save_flat if saving else load_flat)
+    opt = _adamw(model)
+    if saving:
+        _steps(model, opt, 2)
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=path,
+        )
+        return {"optim": _full_state(opt)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    loaded = _full_state(opt)
+    live = {name: tuple(v.shape) for name, v in opt.state[next(iter(model.parameters()))].items()}
+    _steps(model, opt, 1, first=2)
+    return {
+        "optim": loaded,
+        "live": live,
+        "params": {k: v.full_tensor() for k, v in model.state_dict().items()},
+    }
+
+
+@pytest.mark.parametrize("save_flat,load_flat", [(True, False), (False, True), (True, True)])
+def test_optimizer_checkpoints_interchange_with_the_default_layout_across_world_sizes(
+    ranks, tmp_path, save_flat, load_flat
+):
+    """Saved at world 4, loaded at world 2 into either layout: the optimizer state equals the
+    saved one to the bit, and the flat run's next step equals the default layout's from the same
+    checkpoint (to the bit: world 2)."""
+    path = str(tmp_path / "ckpt")
+    saved = ranks(4).run(_optim_dcp, path, save_flat, load_flat, True)[0]
+    loaded = ranks(2).run(_optim_dcp, path, save_flat, load_flat, False)
+    reference = loaded[0] if not load_flat else ranks(2).run(_optim_dcp, path, save_flat, False, False)[0]
+    for r in loaded:
+        assert saved["optim"].keys() == r["optim"].keys()
+        assert all(torch.equal(saved["optim"][k], r["optim"][k]) for k in saved["optim"]), r["optim"]
+        # the flat run steps its state as the 1-D DTensor the parameter is
+        assert r["live"]["exp_avg"] == ((91,) if load_flat else (13, 7)), r["live"]
+        assert all(torch.equal(reference["params"][k], r["params"][k]) for k in reference["params"])
+
+
+def _optim_round_trip() -> dict:
+    """`optimizer.state_dict()` of a flat run shows the default layout's form (equal to a default
+    run's); loaded with plain `load_state_dict` into a fresh optimizer before its first step (then
+    taken to the flat form by that step), and after one (through the load hook), it steps on as
+    the original does."""
+    ref = make_mlp()
+    flat_model, default_model = _shard(copy.deepcopy(ref), True), _shard(copy.deepcopy(ref), False)
+    flat_opt, default_opt = _adamw(flat_model), _adamw(default_model)
+    _steps(flat_model, flat_opt, 2)
+    _steps(default_model, default_opt, 2)
+    shown, default_shown = _full_state(flat_opt), _full_state(default_opt)
+    shapes = {k: tuple(v.shape) for k, v in flat_opt.state_dict()["state"][0].items()}
+    saved = flat_opt.state_dict()
+    model_state = {k: v.detach().clone() for k, v in flat_model.state_dict().items()}
+    results = {}
+    for when in ("before_first_step", "after_a_step"):
+        model = _shard(make_mlp(), True)
+        model.load_state_dict(model_state)
+        opt = _adamw(model)
+        if when == "after_a_step":  # the load hook installed by a first step, of zero learning rate
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            opt.param_groups[0]["lr"] = 0.0
+            opt.step()
+            opt.param_groups[0]["lr"] = 1e-2
+            opt.zero_grad()
+        opt.load_state_dict(copy.deepcopy(saved))  # (load_state_dict keeps the tensors it is given)
+        _steps(model, opt, 1, first=2)
+        results[when] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    _steps(flat_model, flat_opt, 1, first=2)
+    after = {k: v.full_tensor() for k, v in flat_model.state_dict().items()}
+    rank, w = world()
+    return {
+        "shapes": shapes,
+        "state_equal_default": all(torch.equal(shown[k], default_shown[k]) for k in shown),
+        "state_diff_default": max(float((shown[k] - default_shown[k]).abs().max()) for k in shown),
+        "continued": {when: all(torch.equal(after[k], r[k]) for k in after) for when, r in results.items()},
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, world_size):
+    for r in ranks(world_size).run(_optim_round_trip):
+        assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
+        if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
+            assert r["state_equal_default"], r
+        assert r["state_diff_default"] <= TOL64, r
+        assert r["continued"] == {"before_first_step": True, "after_a_step": True}, r

@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..runtime.registry import manager_of, unsharded_owner
+from . import flat_state
 
 # optimizer -> (its parameter count when checked, the groups of the managed parameters it steps)
 _checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
@@ -84,6 +85,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         elif not isinstance(p, DTensor) and p not in _ignored:
             plain.append(p)
     _checked[optimizer] = (count, list({id(m.group): m.group for m in managed}.values()))
+    flat_state.adopt(optimizer, managed)
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
         warnings.warn(

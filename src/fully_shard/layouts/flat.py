@@ -74,3 +74,33 @@ def convert_entries(
             state_dict[key] = to_rows(value, fp.shape, fp.info)
         elif not saving and tuple(value.shape) == tuple(fp.shape):
             state_dict[key] = to_flat(value, fp)
+
+
+def convert_optimizer_state(
+    optimizer: Any, state_dict: dict, flat_of: Callable[[Any], Optional[Any]], saving: bool
+) -> dict:
+    """An optimizer state dict (``Optimizer.state_dict()``'s form: state keyed by index, the
+    indices in ``param_groups`` in the order of ``optimizer.param_groups``) whose per-parameter
+    tensors of flat-sharded parameters are in the other form: the default layout's when
+    ``saving``, the flat shard before loading. A new dict: the optimizer's own state is untouched
+    (``state_dict()`` hands out the optimizer's per-parameter dicts themselves)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    indices = [i for group in state_dict.get("param_groups", ()) for i in group["params"]]
+    state = dict(state_dict.get("state", {}))
+    for index, param in zip(indices, params):  # (torch refuses mismatched lengths after the hooks)
+        fp, entry = flat_of(param), state.get(index)
+        if fp is not None and isinstance(entry, dict):
+            state[index] = {k: convert_value(v, fp, saving) for k, v in entry.items()}
+    return {**state_dict, "state": state}
+
+
+def convert_value(value: Any, fp: Any, saving: bool) -> Any:
+    """One tensor of a flat-sharded parameter's optimizer state in the other form (anything else,
+    such as a step count, or a tensor already in the wanted form, unchanged)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if saving and isinstance(value, DTensor) and tuple(value.shape) == tuple(fp.layout.shape):
+        return to_rows(value, fp.shape, fp.info)
+    if not saving and tuple(value.shape) == tuple(fp.shape):
+        return to_flat(value, fp)
+    return value
