@@ -431,3 +431,59 @@ def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, worl
             assert r["state_equal_default"], r
         assert r["state_diff_default"] <= TOL64, r
         assert r["continued"] == {"before_first_step": True, "after_a_step": True}, r
+
+
+def _full_optim_state(hsdp: bool, broadcast: bool) -> dict:
+    """`get_optimizer_state_dict(full_state_dict=True)` of a flat run: each state in its parameter's
+    shape, equal to the default layout's (float64 rounding at world 4); loaded back with
+    `set_optimizer_state_dict` (from rank 0 only when ``broadcast``), the next step equals the
+    original's."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    ref = make_mlp()
+    flat_model, default_model = (
+        _shard(copy.deepcopy(ref), True, mesh),
+        _shard(copy.deepcopy(ref), False, mesh),
+    )
+    flat_opt, default_opt = _adamw(flat_model), _adamw(default_model)
+    _steps(flat_model, flat_opt, 2)
+    _steps(default_model, default_opt, 2)
+    options = StateDictOptions(full_state_dict=True)
+    full, default = (
+        get_optimizer_state_dict(flat_model, flat_opt, options=options),
+        get_optimizer_state_dict(default_model, default_opt, options=options),
+    )
+    shapes = {k: tuple(v.shape) for k, v in full["state"]["0.0.weight"].items()}
+    diff = max(
+        float((full["state"][n][k] - v).abs().max())
+        for n in default["state"]
+        for k, v in default["state"][n].items()
+    )
+    model = _shard(copy.deepcopy(ref), True, mesh)
+    model.load_state_dict({k: v.detach().clone() for k, v in flat_model.state_dict().items()})
+    opt = _adamw(model)
+    given = copy.deepcopy(full) if not broadcast or world()[0] == 0 else {}
+    set_optimizer_state_dict(
+        model, opt, given, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    )
+    _steps(model, opt, 1, first=2)
+    _steps(flat_model, flat_opt, 1, first=2)
+    same = all(
+        torch.equal(a.full_tensor(), b.full_tensor())
+        for a, b in zip(model.parameters(), flat_model.parameters())
+    )
+    return {"shapes": shapes, "diff_default": diff, "continued": same}
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
+def test_full_optimizer_state_dicts_and_broadcast_from_rank0(ranks, hsdp):
+    for broadcast in (False, True):
+        for r in ranks(4).run(_full_optim_state, hsdp, broadcast):
+            assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
+            assert r["diff_default"] <= TOL64 and r["continued"], r
