@@ -74,6 +74,25 @@ def convert_entries(
             state_dict[key] = to_rows(value, fp.shape, fp.info)
         elif not saving and tuple(value.shape) == tuple(fp.shape):
             state_dict[key] = to_flat(value, fp)
+        elif not saving and isinstance(value, DTensor) and value.dim() == 1 and value.to_local().dim() > 1:
+            state_dict[key] = to_flat(_rows_in_flat_spec(value, fp, key), fp)
+
+
+def _rows_in_flat_spec(value: DTensor, fp: Any, key: str) -> DTensor:
+    """torch's ``set_model_state_dict(..., broadcast_from_rank0=True)`` into a model on the meta
+    device slices rank 0's full tensor by the live parameter's placements and wraps the slice in
+    the parameter's global shape: a DTensor of shape ``(numel,)`` holding this rank's *rows* of
+    the parameter's own shape, which are the default layout's shard; shown as that."""
+    local = value.to_local()
+    layout = ShardLayout(fp.shape, 0, fp.info.world_size, fp.info.rank)
+    if tuple(local.shape) != (layout.local_rows, *fp.shape[1:]):
+        raise RuntimeError(
+            f"load_state_dict: '{key}' is a DTensor of shape {tuple(value.shape)} holding a local tensor of "
+            f"shape {tuple(local.shape)}, neither this flat-sharded parameter's shard ({tuple(fp.layout.shape)} "
+            f"elements) nor its rows ({layout.local_rows}, ...) of {tuple(fp.shape)}; nothing was loaded. Fix: "
+            "load a state dict made by state_dict() / get_model_state_dict, or a full tensor of the parameter's shape."
+        )
+    return _dtensor(local, fp.info, fp.shape)
 
 
 def convert_optimizer_state(
