@@ -87,10 +87,11 @@ def _rows_in_flat_spec(value: DTensor, fp: Any, key: str) -> DTensor:
     layout = ShardLayout(fp.shape, 0, fp.info.world_size, fp.info.rank)
     if tuple(local.shape) != (layout.local_rows, *fp.shape[1:]):
         raise RuntimeError(
-            f"load_state_dict: '{key}' is a DTensor of shape {tuple(value.shape)} holding a local tensor of "
-            f"shape {tuple(local.shape)}, neither this flat-sharded parameter's shard ({tuple(fp.layout.shape)} "
-            f"elements) nor its rows ({layout.local_rows}, ...) of {tuple(fp.shape)}; nothing was loaded. Fix: "
-            "load a state dict made by state_dict() / get_model_state_dict, or a full tensor of the parameter's shape."
+            f"load_state_dict: '{key}' is a DTensor of shape {tuple(value.shape)} holding a local tensor "
+            f"of shape {tuple(local.shape)}: neither this flat-sharded parameter's shard (of "
+            f"{tuple(fp.layout.shape)}) nor its rows ({layout.local_rows}, ...) of {tuple(fp.shape)}; "
+            "nothing was loaded. Fix: load a state dict made by state_dict() / get_model_state_dict, or full "
+            "tensors of each parameter's shape."
         )
     return _dtensor(local, fp.info, fp.shape)
 
