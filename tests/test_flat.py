@@ -489,25 +489,27 @@ def test_full_optimizer_state_dicts_and_broadcast_from_rank0(ranks, hsdp):
             assert r["diff_default"] <= TOL64 and r["continued"], r
 
 
-def _broadcast_into_meta() -> dict:
+def _broadcast_into_meta(hsdp: bool = False) -> dict:
     """`set_model_state_dict(..., broadcast_from_rank0=True)` into a model built on the meta device
     and flat-sharded (rank 0 holds the full state dict): torch hands each parameter's rows in the
     flat global shape (its placements applied to the full tensor); loaded as the default layout's
     rows. Then it trains equal to the flat-sharded model built from the same weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
 
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     ref = make_mlp()
     full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     with torch.device("meta"):
         model = make_mlp()
-    _shard(model, True)
+    _shard(model, True, mesh)
     given = {k: v.clone() for k, v in full.items()} if world()[0] == 0 else {}
     set_model_state_dict(
         model, given, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
     loaded = all(torch.equal(v.full_tensor(), full[k]) for k, v in model.state_dict().items())
     flat_live = {n: tuple(p.shape) for n, p in model.named_parameters()}["0.0.weight"]
-    built = _shard(copy.deepcopy(ref), True)
+    built = _shard(copy.deepcopy(ref), True, mesh)
     same_losses = _train(model, 2) == _train(built, 2)
     same = all(
         torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), built.parameters())
@@ -515,7 +517,7 @@ def _broadcast_into_meta() -> dict:
     return {"loaded": loaded, "flat_live": flat_live, "trains_the_same": same_losses and same}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_broadcast_from_rank0_into_a_meta_device_model(ranks, world_size):
-    for r in ranks(world_size).run(_broadcast_into_meta):
+@pytest.mark.parametrize("world_size,hsdp", [(1, False), (2, False), (4, False), (4, True)])
+def test_broadcast_from_rank0_into_a_meta_device_model(ranks, world_size, hsdp):
+    for r in ranks(world_size).run(_broadcast_into_meta, hsdp):
         assert r == {"loaded": True, "flat_live": (91,), "trains_the_same": True}, r
