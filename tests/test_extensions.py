@@ -226,7 +226,8 @@ SEEN_MESHES: list[tuple[int, int]] = []
 def _rows_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
     """Send the shard (this rank's rows only: fully_shard pads them) and each row's global index + 1
     as int32, so the post hook can check the rows arrived in order with zeros for padding."""
-    SEEN_MESHES.append((mesh.ndim, mesh.size()))
+    if not torch.compiler.is_compiling():  # (traced: no Python side effects in the graph)
+        SEEN_MESHES.append((mesh.ndim, mesh.size()))
     rows = -(-outer_size[0] // mesh.size())
     start = mesh.get_local_rank() * rows
     ids = torch.arange(start + 1, start + 1 + self.shape[0], dtype=torch.int32)

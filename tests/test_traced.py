@@ -1032,37 +1032,119 @@ def test_fsdp1_keep_low_precision_grads_a_trace_meeting_them_fails_loudly(ranks)
     assert "dtype mismatch between tensor and its gradient" in r.get("error", ""), r
 
 
-def _refused(form: str) -> tuple[str, str]:
-    from test_extensions import _patch_rows_extension
+def _f32_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """An extension set on the instance (PyTorch's monkey-patch form): sends the shard in float32."""
+    return (self.to(torch.float32),), None
 
+
+def _f32_post(self, outputs, metadata, param_dtype, *, out=None):
+    (t,) = outputs
+    if out is not None:  # (eager, from the second all-gather: rebuild in place)
+        from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+        with torch.no_grad(), _unsafe_preserve_version_counter(out):  # (as PyTorch's test does)
+            out.copy_(t[: out.size(0)])  # (t: the padded rows)
+        return None
+    full = t.to(param_dtype)
+    return full, (t, full)
+
+
+def _patch_instance_extension(model, bound: bool = True) -> int:
+    """Both methods set on each weight's local shard: bound to it (``fn.__get__(local)``, as
+    PyTorch's test does), or as plain functions (not bound)."""
+    patched = 0
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            local = p._local_tensor
+            if bound:
+                local.fsdp_pre_all_gather = _f32_pre.__get__(local)
+                local.fsdp_post_all_gather = _f32_post.__get__(local)
+            else:
+                local.fsdp_pre_all_gather = lambda *args, local=local: _f32_pre(local, *args)
+                local.fsdp_post_all_gather = lambda *args, local=local, **kw: _f32_post(local, *args, **kw)
+            patched += 1
+    return patched
+
+
+def _compiled(model, form: str):
+    if form == "wrap":
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        return lambda x: compiled(x).sum()
+    if form == "step":  # a compiled training-step function: the hooks run inside its trace
+        return torch.compile(lambda x: model(x).sum(), backend="aot_eager", fullgraph=True)
+    model.compile(backend="aot_eager", fullgraph=True)
+    return lambda x: model(x).sum()
+
+
+def _instance_extension(form: str, reshard: bool) -> dict:
+    """Extension methods bound to the weights' local shards: the compiled model (``form``) trains
+    equal to eager to the bit (both send float32: unlike a model without them), one graph."""
+    from torch._dynamo.utils import counters
+
+    rank, w = world()
+    runs = {}
+    for mode in ("plain", "eager", "compiled"):
+        _fresh_compiler()
+        torch.manual_seed(0)
+        model = llama64(LlamaConfig(n_layers=2))
+        _shard(model, reshard)
+        patched = _patch_instance_extension(model) if mode != "plain" else 0
+        step = _compiled(model, form) if mode == "compiled" else (lambda x, model=model: model(x).sum())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for i in range(3):
+            x, _ = synthetic_batch(i, 2 * w, 8, 101)
+            loss = step(x.chunk(w)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+        runs[mode] = (losses, [p.full_tensor() for p in model.parameters()], patched)
+    graphs = counters["stats"]["unique_graphs"]
+    (plain, _, _), (eager, eager_params, patched), (compiled, params, _) = runs["plain"], runs["eager"], runs["compiled"]
+    return {
+        "patched": patched,
+        "equal": all(torch.equal(a, b) for a, b in zip(eager, compiled))
+        and all(torch.equal(a, b) for a, b in zip(eager_params, params)),
+        "differs_from_plain": not all(torch.equal(a, b) for a, b in zip(plain, eager)),
+        "graphs": graphs,
+    }
+
+
+@pytest.mark.parametrize("form,world_size,reshard", [
+    ("wrap", 1, True), ("wrap", 2, True), ("wrap", 4, True), ("method", 2, False), ("step", 2, True),
+])
+def test_extension_methods_bound_to_a_tensor_instance_compiled_equal_eager(ranks, form, world_size, reshard):
+    """PyTorch's monkey-patch form of an all-gather extension (methods set on the local shard,
+    bound to it): dynamo sees only a traced tensor's class, so their functions are read outside
+    the trace and bound to the traced shard. Until 2026-11-27 they were refused."""
+    for r in ranks(world_size).run(_instance_extension, form, reshard):
+        assert r["patched"] == 20 and r["equal"] and r["differs_from_plain"], r
+        assert r["graphs"] == 1, r
+
+
+def _refused(form: str) -> tuple[str, str]:
     _fresh_compiler()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1))
     _shard(model, True)
-    _patch_rows_extension(model.layers[0])  # extension methods set on the block's weights' local tensors
-    if form == "wrap":
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    elif form == "step":  # a compiled training-step function: the hooks run inside its trace
-        compiled = torch.compile(lambda x: model(x).sum(), backend="aot_eager", fullgraph=True)
-    else:
-        model.compile(backend="aot_eager", fullgraph=True)
-        compiled = model
+    _patch_instance_extension(model.layers[0], bound=False)  # plain functions set on the local tensors
+    step = _compiled(model, form)
     x, _ = synthetic_batch(0, 2, 8, 101)
     try:
-        compiled(x)
+        step(x)
     except Exception as e:  # raised before tracing: torch's own type, our message
         return type(e).__name__, str(e)
     return "no error", ""
 
 
 @pytest.mark.parametrize("form", ["wrap", "method", "step"])
-def test_extension_methods_set_on_a_tensor_instance_are_refused_when_traced(ranks, form):
-    """Dynamo sees a traced tensor's class, not methods set on the instance: those would be
-    silently skipped, so they are refused, naming the parameter and the fix; methods of a tensor
-    subclass work (`test_tensor_subclass_extension_compiled_equals_eager`). Refused before dynamo
-    traces (the root's hooks of ``torch.compile(model)`` run eagerly; ``FSDPModule.compile``
-    checks at its first call): inside a trace, torch 2.11's dynamo reports only "Observed
-    exception" (seen on the lent GPU machine, 2026-11-26)."""
+def test_extension_methods_set_on_a_tensor_instance_unbound_are_refused_when_traced(ranks, form):
+    """Extension methods set on the instance but not bound to it (plain functions) cannot be called
+    on the traced shard: refused, naming the parameter and the fix. Refused before dynamo traces
+    (the root's hooks of ``torch.compile(model)`` run eagerly; ``FSDPModule.compile`` checks at
+    its first call): inside a trace, torch 2.11's dynamo reports only "Observed exception" (seen
+    on the lent GPU machine, 2026-11-26)."""
     for kind, message in ranks(1).run(_refused, form):
         if form != "step":
             assert kind == "RuntimeError", (kind, message)  # not dynamo's wrapper: raised outside the trace
@@ -1071,8 +1153,8 @@ def test_extension_methods_set_on_a_tensor_instance_are_refused_when_traced(rank
         # debug context.
         where = "FSDPTransformerBlock" if form == "step" else "layers.0"
         assert f"traces module {where} as part of a whole compiled model" in message, (kind, message)
-        assert "extension methods set on the tensor instance of attention_norm.weight" in message, message
-        assert "defined on a tensor subclass" in message and "block.compile()" in message, message
+        assert "methods set on the tensor instance of attention_norm.weight are not both bound" in message
+        assert "fn.__get__(local)" in message and "block.compile()" in message, message
 
 
 @pytest.mark.parametrize("form", ["wrap", "step"])

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -48,10 +48,34 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
     return _checked(pre, post, local, fqn, _arity(pre))
 
 
-def class_hooks(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
-    """`hooks_of` as the traced path reads it: the methods of the local tensor's *class*, bound to
-    ``local`` (dynamo sees a traced tensor's class, not methods set on the instance, which
-    `instance_methods` finds outside the trace), else the codec's."""
+@dataclass(frozen=True)
+class InstanceMethods:
+    """Extension methods set on a local tensor, bound to it (``fn.__get__(local)``), kept as their
+    functions for the traced path (`bound_functions`, read outside the trace), which binds them to
+    the traced shard."""
+
+    pre: Callable[..., Any]
+    post: Callable[..., Any]
+
+
+def bound_functions(local: torch.Tensor) -> Optional[InstanceMethods]:
+    """The functions of the extension methods set on ``local``, when both are bound to it."""
+    found = [local.__dict__.get(name) for name in EXTENSION_METHODS]
+    if all(getattr(m, "__self__", None) is local for m in found):
+        return InstanceMethods(found[0].__func__, found[1].__func__)  # type: ignore[union-attr]
+    return None
+
+
+def class_hooks(
+    local: torch.Tensor, codec: Any, fqn: str, instance: Optional[InstanceMethods] = None
+) -> Optional[Hooks]:
+    """`hooks_of` as the traced path reads it: the methods set on the instance (``instance``, found
+    by `bound_functions` outside the trace: dynamo sees only a traced tensor's class), else those
+    of the local tensor's *class*, bound to ``local``, else the codec's."""
+    if instance is not None:
+        code = instance.pre.__code__  # (no inspect in a trace): the parameters after self
+        pre, post = functools.partial(instance.pre, local), functools.partial(instance.post, local)
+        return replace(_checked(pre, post, local, fqn, code.co_argcount - 1), source=instance)
     cls = type(local)
     if not (hasattr(cls, _PRE) or hasattr(cls, _POST)):  # (dynamo: getattr's default is not heeded)
         return hooks_of(local, codec, fqn) if codec is not None else None
@@ -66,7 +90,9 @@ def class_hooks(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
 def rebind(hooks: Hooks, local: torch.Tensor) -> Hooks:
     """``hooks`` (a codec's or a class's) called on ``local`` instead: the traced shard."""
     src = hooks.source
-    if isinstance(src, type):
+    if isinstance(src, InstanceMethods):
+        pre, post = src.pre, src.post
+    elif isinstance(src, type):
         pre, post = getattr(src, _PRE), getattr(src, _POST)
     else:
         pre, post = src.pre_all_gather, src.post_all_gather

@@ -120,6 +120,9 @@ class Dtypes:
 class FSDPParam:
     """Owns one managed parameter: its shard, its unsharded form and the swap between them."""
 
+    # extension methods bound to the shard's instance, as the traced path calls them (`traced`)
+    traced_methods: Any = None
+
     def __init__(
         self,
         param: nn.Parameter,

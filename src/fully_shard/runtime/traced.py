@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
-from .extension import _pad_rows, _unpack, class_hooks, instance_methods, rebind
+from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
 from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
 from .registry import managed_by_id
@@ -173,35 +173,48 @@ def refuse_untraceable_tree(state: Any) -> None:
     state._tree_traceable = True
 
 
-def _instance_methods(fp: Any) -> bool:
-    """`extension.instance_methods` of the parameter's shard, read outside any trace: a traced
-    tensor's ``__dict__`` is out of dynamo's reach."""
+def _unbound_instance_methods(fp: Any) -> bool:
+    """Whether the parameter's shard has extension methods set on the instance that are not both
+    bound to it; those that are are kept as ``fp.traced_methods`` (`extension.bound_functions`) for
+    `_extension_calls`. Read outside any trace: a traced tensor's ``__dict__`` is out of dynamo's
+    reach."""
     if torch.compiler.is_compiling():
-        return _instance_methods_of(id(fp))  # (torch 2.11 passes only constants to such calls)
-    return instance_methods(fp.local_shard)
+        return _unbound_instance_methods_of(id(fp))  # (torch 2.11 passes only constants to such calls)
+    return _keep_instance_methods(fp)
 
 
 @torch.compiler.assume_constant_result
-def _instance_methods_of(key: int) -> bool:
+def _unbound_instance_methods_of(key: int) -> bool:
     fp: Any = managed_by_id(key)
-    return fp is not None and instance_methods(fp.local_shard)
+    return fp is not None and _keep_instance_methods(fp)
+
+
+def _keep_instance_methods(fp: Any) -> bool:
+    local = fp.local_shard
+    kept = bound_functions(local) if instance_methods(local) else None
+    if kept != fp.traced_methods:  # (the same object while unchanged: dynamo guards on it)
+        fp.traced_methods = kept
+    return kept is None and instance_methods(local)
 
 
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     """Raise, while tracing, for what the traced path does not do: all-gather extension methods
-    set on a tensor instance (dynamo sees only a traced tensor's class), naming the fix."""
+    set on a tensor instance but not bound to it (dynamo sees only a traced tensor's class, and
+    methods bound to the shard are called on the traced one), naming the fix."""
     if name is None:  # before lazy init (a compiled step's first trace) no state knows its path yet
         name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
     for g in state.groups:
         for fp in g.params:
-            if _instance_methods(fp):
+            if _unbound_instance_methods(fp):
                 raise RuntimeError(
                     f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the "
-                    f"traced path does not support all-gather extension methods set on the tensor instance "
-                    f"of {fp.path} (defined on a tensor subclass, fsdp_pre_all_gather / "
-                    "fsdp_post_all_gather are supported). Fix: compile each block on its own instead "
-                    "(for block in model.layers: block.compile()), where the eager engine drives the "
-                    "collectives, or define the methods on a tensor subclass (docs/compile.md)."
+                    f"all-gather extension methods set on the tensor instance of {fp.path} are not both "
+                    "bound to it: the traced path calls such methods on the traced shard, so it needs their "
+                    "functions (methods bound to the shard, or defined on a tensor subclass, are supported). "
+                    "Fix: bind both to the local tensor (local.fsdp_pre_all_gather = fn.__get__(local)), "
+                    "define them on a tensor subclass, or compile each block on its own instead (for block "
+                    "in model.layers: block.compile()), where the eager engine drives the collectives "
+                    "(docs/compile.md)."
                 )
 
 
@@ -394,7 +407,7 @@ def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     """A parameter's all-gather extension (`extension.class_hooks`: its local tensor's class's
     ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, else its codec) and the arguments after the
     shard its pre hook takes (as eager's `FSDPParam.extension_inputs`), or None."""
-    hooks = class_hooks(fp.local_shard, fp.codec, fp.path)
+    hooks = class_hooks(fp.local_shard, fp.codec, fp.path, fp.traced_methods)
     if hooks is None:
         return None
     fp.refuse_extension_off_dim0()
@@ -442,9 +455,9 @@ def _encode(plan: "_Plan", shards: list[torch.Tensor]) -> list[Optional[tuple[An
         hooks, pre_args = calls
         hooks = rebind(hooks, local.to(plan.device) if host is not None else local)
         returned, metadata = _unpack(hooks.pre(*pre_args), path)
-        encoded.append(
-            (hooks, metadata, [_pad_rows(t, layout.local_rows, layout.rows, path) for t in returned])
-        )
+        sent = [_pad_rows(t, layout.local_rows, layout.rows, path) for t in returned]
+        # the shard itself, sent as it is: an autograd function takes each tensor once (dynamo)
+        encoded.append((hooks, metadata, [t.view_as(t) if t is local else t for t in sent]))
     return encoded
 
 
