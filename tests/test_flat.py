@@ -398,7 +398,7 @@ def _optim_round_trip() -> dict:
     saved = flat_opt.state_dict()
     model_state = {k: v.detach().clone() for k, v in flat_model.state_dict().items()}
     results = {}
-    for when in ("before_first_step", "after_a_step"):
+    for when in ("before_first_step", "after_a_step", "full_flat"):
         model = _shard(make_mlp(), True)
         model.load_state_dict(model_state)
         opt = _adamw(model)
@@ -409,7 +409,13 @@ def _optim_round_trip() -> dict:
             opt.step()
             opt.param_groups[0]["lr"] = 1e-2
             opt.zero_grad()
-        opt.load_state_dict(copy.deepcopy(saved))  # (load_state_dict keeps the tensors it is given)
+        given = copy.deepcopy(saved)  # (load_state_dict keeps the tensors it is given)
+        if when == "full_flat":  # the matrices' state as full 1-D tensors (a full state dict of the flat form)
+            for entry in given["state"].values():
+                for k, v in entry.items():
+                    if v.dim() == 2:
+                        entry[k] = v.full_tensor().reshape(-1)
+        opt.load_state_dict(given)
         _steps(model, opt, 1, first=2)
         results[when] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     _steps(flat_model, flat_opt, 1, first=2)
@@ -430,7 +436,7 @@ def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, worl
         if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
             assert r["state_equal_default"], r
         assert r["state_diff_default"] <= TOL64, r
-        assert r["continued"] == {"before_first_step": True, "after_a_step": True}, r
+        assert r["continued"] == {"before_first_step": True, "after_a_step": True, "full_flat": True}, r
 
 
 def _full_optim_state(hsdp: bool, broadcast: bool) -> dict:

@@ -1049,16 +1049,37 @@ def _f32_post(self, outputs, metadata, param_dtype, *, out=None):
     return full, (t, full)
 
 
-def _patch_instance_extension(model, bound: bool = True) -> int:
+def _half_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """Sends the shard itself (the same tensor: an autograd function must not see it twice)."""
+    return (self,), None
+
+
+def _half_post(self, outputs, metadata, param_dtype, *, out=None):
+    """Rebuilds half the weight (a visible effect: the model computes with 0.5 W)."""
+    (t,) = outputs
+    if out is not None:
+        from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+        with torch.no_grad(), _unsafe_preserve_version_counter(out):
+            out.copy_(t[: out.size(0)] * 0.5)
+        return None
+    return t.to(param_dtype) * 0.5, (t,)
+
+
+_INSTANCE_KINDS = {"f32": (_f32_pre, _f32_post), "half": (_half_pre, _half_post)}
+
+
+def _patch_instance_extension(model, bound: bool = True, kind: str = "f32") -> int:
     """Both methods set on each weight's local shard: bound to it (``fn.__get__(local)``, as
     PyTorch's test does), or as plain functions (not bound)."""
+    pre, post = _INSTANCE_KINDS[kind]
     patched = 0
     for name, p in model.named_parameters():
         if name.endswith("weight"):
             local = p._local_tensor
             if bound:
-                local.fsdp_pre_all_gather = _f32_pre.__get__(local)
-                local.fsdp_post_all_gather = _f32_post.__get__(local)
+                local.fsdp_pre_all_gather = pre.__get__(local)
+                local.fsdp_post_all_gather = post.__get__(local)
             else:
                 local.fsdp_pre_all_gather = lambda *args, local=local: _f32_pre(local, *args)
                 local.fsdp_post_all_gather = lambda *args, local=local, **kw: _f32_post(local, *args, **kw)
@@ -1076,9 +1097,10 @@ def _compiled(model, form: str):
     return lambda x: model(x).sum()
 
 
-def _instance_extension(form: str, reshard: bool) -> dict:
+def _instance_extension(form: str, reshard: bool, kind: str) -> dict:
     """Extension methods bound to the weights' local shards: the compiled model (``form``) trains
-    equal to eager to the bit (both send float32: unlike a model without them), one graph."""
+    equal to eager to the bit (both send float32, or compute with half the weights: unlike a model
+    without them), one graph."""
     from torch._dynamo.utils import counters
 
     rank, w = world()
@@ -1088,7 +1110,7 @@ def _instance_extension(form: str, reshard: bool) -> dict:
         torch.manual_seed(0)
         model = llama64(LlamaConfig(n_layers=2))
         _shard(model, reshard)
-        patched = _patch_instance_extension(model) if mode != "plain" else 0
+        patched = _patch_instance_extension(model, kind=kind) if mode != "plain" else 0
         step = _compiled(model, form) if mode == "compiled" else (lambda x, model=model: model(x).sum())
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
@@ -1111,14 +1133,16 @@ def _instance_extension(form: str, reshard: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("form,world_size,reshard", [
-    ("wrap", 1, True), ("wrap", 2, True), ("wrap", 4, True), ("method", 2, False), ("step", 2, True),
+@pytest.mark.parametrize("form,world_size,reshard,kind", [
+    ("wrap", 1, True, "f32"), ("wrap", 2, True, "f32"), ("wrap", 4, True, "f32"), ("method", 2, False, "f32"),
+    ("step", 2, True, "f32"), ("wrap", 1, True, "half"), ("step", 2, True, "half"),
 ])
-def test_extension_methods_bound_to_a_tensor_instance_compiled_equal_eager(ranks, form, world_size, reshard):
+def test_extension_methods_bound_to_a_tensor_instance_compiled_equal_eager(ranks, form, world_size, reshard, kind):
     """PyTorch's monkey-patch form of an all-gather extension (methods set on the local shard,
     bound to it): dynamo sees only a traced tensor's class, so their functions are read outside
-    the trace and bound to the traced shard. Until 2026-11-27 they were refused."""
-    for r in ranks(world_size).run(_instance_extension, form, reshard):
+    the trace and bound to the traced shard. Until 2026-11-27 they were refused. ``half`` sends
+    the shard itself (unpadded at world 1, some weights unpadded at 2)."""
+    for r in ranks(world_size).run(_instance_extension, form, reshard, kind):
         assert r["patched"] == 20 and r["equal"] and r["differs_from_plain"], r
         assert r["graphs"] == 1, r
 

@@ -25,17 +25,25 @@ def _dtensor(local: torch.Tensor, info: MeshInfo, shape: torch.Size) -> DTensor:
 
 
 def to_rows(flat: DTensor, shape: torch.Size, info: MeshInfo) -> DTensor:
-    """A flat shard as the default layout's: ``shape``, this rank's dim-0 chunk."""
-    full = flat.full_tensor().view(shape)
+    """A flat shard as the default layout's: ``shape``, this rank's dim-0 chunk (on the shard's
+    device)."""
+    full = _full(flat, info).view(shape)
     layout = ShardLayout(shape, 0, info.world_size, info.rank)
-    return _dtensor(full.narrow(0, layout.start, layout.local_rows).clone(), info, shape)
+    return _dtensor(full.narrow(0, layout.start, layout.local_rows).to(flat.device, copy=True), info, shape)
 
 
 def to_flat(value: torch.Tensor, fp: Any) -> DTensor:
     """A state dict's entry in the parameter's own shape (a DTensor in any layout, or the full
-    tensor) as ``fp``'s flat shard (`FSDPParam.local_chunk`: this rank's range)."""
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    return _dtensor(fp.local_chunk(full).clone(), fp.info, fp.layout.shape)
+    tensor; also the full flat tensor) as ``fp``'s flat shard (`FSDPParam.local_chunk`: this
+    rank's range), on the entry's device."""
+    full = _full(value, fp.info) if isinstance(value, DTensor) else value
+    return _dtensor(fp.local_chunk(full).to(value.device, copy=True), fp.info, fp.layout.shape)
+
+
+def _full(t: DTensor, info: MeshInfo) -> torch.Tensor:
+    """The whole tensor, gathered on the mesh's device (an offloaded shard is on the host, and an
+    accelerator's communicator takes only its own device's tensors)."""
+    return (t.to(info.device) if t.device != info.device else t).full_tensor()
 
 
 # Wrappers whose own state-dict hooks rename keys (torch's checkpoint_wrapper); compared without.
@@ -123,4 +131,6 @@ def convert_value(value: Any, fp: Any, saving: bool) -> Any:
         return to_rows(value, fp.shape, fp.info)
     if not saving and tuple(value.shape) == tuple(fp.shape):
         return to_flat(value, fp)
+    if not saving and not isinstance(value, DTensor) and tuple(value.shape) == tuple(fp.layout.shape):
+        return to_flat(value, fp)  # the full flat tensor (a full state dict of the 1-D form)
     return value

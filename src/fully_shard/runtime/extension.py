@@ -56,13 +56,14 @@ class InstanceMethods:
 
     pre: Callable[..., Any]
     post: Callable[..., Any]
+    arity: int  # the pre hook's parameters after self, as eager counts them (`_arity`)
 
 
 def bound_functions(local: torch.Tensor) -> Optional[InstanceMethods]:
     """The functions of the extension methods set on ``local``, when both are bound to it."""
     found = [local.__dict__.get(name) for name in EXTENSION_METHODS]
     if all(getattr(m, "__self__", None) is local for m in found):
-        return InstanceMethods(found[0].__func__, found[1].__func__)  # type: ignore[union-attr]
+        return InstanceMethods(found[0].__func__, found[1].__func__, _arity(found[0]))  # type: ignore[union-attr]
     return None
 
 
@@ -73,9 +74,8 @@ def class_hooks(
     by `bound_functions` outside the trace: dynamo sees only a traced tensor's class), else those
     of the local tensor's *class*, bound to ``local``, else the codec's."""
     if instance is not None:
-        code = instance.pre.__code__  # (no inspect in a trace): the parameters after self
         pre, post = functools.partial(instance.pre, local), functools.partial(instance.post, local)
-        return replace(_checked(pre, post, local, fqn, code.co_argcount - 1), source=instance)
+        return replace(_checked(pre, post, local, fqn, instance.arity), source=instance)
     cls = type(local)
     if not (hasattr(cls, _PRE) or hasattr(cls, _POST)):  # (dynamo: getattr's default is not heeded)
         return hooks_of(local, codec, fqn) if codec is not None else None
