@@ -61,9 +61,9 @@ class InstanceMethods:
 
 def bound_functions(local: torch.Tensor) -> Optional[InstanceMethods]:
     """The functions of the extension methods set on ``local``, when both are bound to it."""
-    found = [local.__dict__.get(name) for name in EXTENSION_METHODS]
-    if all(getattr(m, "__self__", None) is local for m in found):
-        return InstanceMethods(found[0].__func__, found[1].__func__, _arity(found[0]))  # type: ignore[union-attr]
+    pre, post = (local.__dict__.get(name) for name in EXTENSION_METHODS)
+    if getattr(pre, "__self__", None) is local and getattr(post, "__self__", None) is local:
+        return InstanceMethods(pre.__func__, post.__func__, _arity(pre))  # type: ignore[union-attr]
     return None
 
 
