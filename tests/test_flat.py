@@ -410,7 +410,7 @@ def _optim_round_trip() -> dict:
             opt.param_groups[0]["lr"] = 1e-2
             opt.zero_grad()
         given = copy.deepcopy(saved)  # (load_state_dict keeps the tensors it is given)
-        if when == "full_flat":  # the matrices' state as full 1-D tensors (a full state dict of the flat form)
+        if when == "full_flat":  # the matrices' state as full 1-D tensors (the flat form's full state)
             for entry in given["state"].values():
                 for k, v in entry.items():
                     if v.dim() == 2:
@@ -420,7 +420,6 @@ def _optim_round_trip() -> dict:
         results[when] = {k: v.full_tensor() for k, v in model.state_dict().items()}
     _steps(flat_model, flat_opt, 1, first=2)
     after = {k: v.full_tensor() for k, v in flat_model.state_dict().items()}
-    rank, w = world()
     return {
         "shapes": shapes,
         "state_equal_default": all(torch.equal(shown[k], default_shown[k]) for k in shown),

@@ -17,32 +17,22 @@ conversion gathers the parameter's state tensor once: with flat-sharded paramete
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from ..layouts import flat
-from ..runtime.registry import manager_of
+from ..runtime.state import flat_param
 
 # optimizers whose state dicts convert (their hooks are installed)
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-def _flat_of(param: Any) -> Optional[Any]:
-    """The `FSDPParam` of a flat-sharded parameter of 2+ dims (1-D ones are laid out as dim 0)."""
-    fp = manager_of(param)
-    return fp if fp is not None and _is_flat(fp) else None
-
-
-def _is_flat(fp: Any) -> bool:
-    return fp.where.view is not None and len(fp.where.view) > 1
 
 
 def adopt(optimizer: torch.optim.Optimizer, managed: list[Any]) -> None:
     """Called with the managed parameters an optimizer steps, at its first step (and when its
     parameter count changes): install the conversions if any is flat-sharded, and take state
     loaded in the default layout's form to the flat one."""
-    flats = [fp for fp in managed if _is_flat(fp)]
+    flats = [fp for fp in managed if flat_param(fp.sharded_param) is not None]
     if not flats:
         return
     if optimizer not in _hooked:
@@ -57,8 +47,8 @@ def adopt(optimizer: torch.optim.Optimizer, managed: list[Any]) -> None:
 
 
 def _saving(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    return flat.convert_optimizer_state(optimizer, state_dict, _flat_of, saving=True)
+    return flat.convert_optimizer_state(optimizer, state_dict, flat_param, saving=True)
 
 
 def _loading(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    return flat.convert_optimizer_state(optimizer, state_dict, _flat_of, saving=False)
+    return flat.convert_optimizer_state(optimizer, state_dict, flat_param, saving=False)

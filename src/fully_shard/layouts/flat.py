@@ -66,7 +66,8 @@ def convert_entries(
     """Every flat-sharded parameter under ``module`` whose entry is in the other form: to the
     default layout when ``saving`` (after ``state_dict``), to the flat shard before loading.
     ``flat_of(param)``: its `FSDPParam` when flat-sharded (of more than one dim), else None.
-    Entries are found by name, wrapper segments aside (`_RENAMED`)."""
+    Entries are found by name, wrapper segments aside (`_RENAMED`); each converted by
+    `convert_value`."""
     flats = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         fp = flat_of(param)
@@ -76,14 +77,8 @@ def convert_entries(
         return
     for key, value in list(state_dict.items()):
         fp = flats.get(_plain(key))
-        if fp is None or not isinstance(value, torch.Tensor):
-            continue
-        if saving and isinstance(value, DTensor) and value.dim() == 1:
-            state_dict[key] = to_rows(value, fp.shape, fp.info)
-        elif not saving and tuple(value.shape) == tuple(fp.shape):
-            state_dict[key] = to_flat(value, fp)
-        elif not saving and isinstance(value, DTensor) and value.dim() == 1 and value.to_local().dim() > 1:
-            state_dict[key] = to_flat(_rows_in_flat_spec(value, fp, key), fp)
+        if fp is not None:
+            state_dict[key] = convert_value(value, fp, saving, key)
 
 
 def _rows_in_flat_spec(value: DTensor, fp: Any, key: str) -> DTensor:
@@ -118,19 +113,24 @@ def convert_optimizer_state(
     for index, param in zip(indices, params):  # (torch refuses mismatched lengths after the hooks)
         fp, entry = flat_of(param), state.get(index)
         if fp is not None and isinstance(entry, dict):
-            state[index] = {k: convert_value(v, fp, saving) for k, v in entry.items()}
+            state[index] = {k: convert_value(v, fp, saving, f"state {index} {k}") for k, v in entry.items()}
     return {**state_dict, "state": state}
 
 
-def convert_value(value: Any, fp: Any, saving: bool) -> Any:
-    """One tensor of a flat-sharded parameter's optimizer state in the other form (anything else,
-    such as a step count, or a tensor already in the wanted form, unchanged)."""
+def convert_value(value: Any, fp: Any, saving: bool, key: str = "") -> Any:
+    """One state-dict tensor of a flat-sharded parameter (its model entry, or one of its optimizer
+    states) in the other form; anything else (a step count, a tensor already in the wanted form)
+    unchanged. Loading takes the parameter's shape (a DTensor in any layout, or full), the full
+    flat tensor, or rows wrapped in the flat shape (`_rows_in_flat_spec`)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if saving and isinstance(value, DTensor) and tuple(value.shape) == tuple(fp.layout.shape):
-        return to_rows(value, fp.shape, fp.info)
-    if not saving and tuple(value.shape) == tuple(fp.shape):
+    shape, flat_shape = tuple(value.shape), tuple(fp.layout.shape)
+    if saving:
+        return (
+            to_rows(value, fp.shape, fp.info) if isinstance(value, DTensor) and shape == flat_shape else value
+        )
+    if shape == tuple(fp.shape) or (shape == flat_shape and not isinstance(value, DTensor)):
         return to_flat(value, fp)
-    if not saving and not isinstance(value, DTensor) and tuple(value.shape) == tuple(fp.layout.shape):
-        return to_flat(value, fp)  # the full flat tensor (a full state dict of the 1-D form)
+    if shape == flat_shape and value.to_local().dim() > 1:
+        return to_flat(_rows_in_flat_spec(value, fp, key), fp)
     return value

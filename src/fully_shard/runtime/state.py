@@ -340,7 +340,7 @@ def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
     return found
 
 
-def _flat_param(param: nn.Parameter) -> Optional[Any]:
+def flat_param(param: nn.Parameter) -> Optional[Any]:
     """The `FSDPParam` of a flat-sharded parameter of 2+ dims (1-D ones are laid out as dim 0)."""
     fp = manager_of(param) or unsharded_owner(param)
     return fp if fp is not None and fp.where.view is not None and len(fp.where.view) > 1 else None
@@ -351,7 +351,7 @@ def _refuse_wrong_shapes(module: nn.Module, state_dict: dict, prefix: str) -> No
     wrong = []
     for name, t in (*module.named_parameters(), *module.named_buffers()):
         got = state_dict.get(prefix + name)
-        fp = _flat_param(t) if isinstance(t, nn.Parameter) else None
+        fp = flat_param(t) if isinstance(t, nn.Parameter) else None
         shape = t.shape if fp is None or got is None or got.dim() == 1 else fp.shape  # flat: its own
         if isinstance(got, torch.Tensor) and got.shape != shape:
             wrong.append(f"'{prefix + name}' is {tuple(got.shape)}, the model's {tuple(shape)}")
@@ -430,7 +430,7 @@ class FSDPState:
         """After state_dict (``args``: the state dict, its prefix): flat-sharded parameters shown
         in the default layout (`layouts.flat`); back to the form the group is in."""
         if args:
-            flat.convert_entries(module, args[0], args[1], _flat_param, saving=True)
+            flat.convert_entries(module, args[0], args[1], flat_param, saving=True)
         for g in self.groups:
             g.show_form(unsharded=True)
 
@@ -439,7 +439,7 @@ class FSDPState:
         layout, and refuse wrong shapes while nothing is loaded."""
         self.show_sharded(module)
         try:
-            flat.convert_entries(module, state_dict, prefix, _flat_param, saving=False)
+            flat.convert_entries(module, state_dict, prefix, flat_param, saving=False)
             _refuse_wrong_shapes(module, state_dict, prefix)
         except BaseException:
             self.show_unsharded(module)

@@ -191,10 +191,11 @@ def _unbound_instance_methods_of(key: int) -> bool:
 
 def _keep_instance_methods(fp: Any) -> bool:
     local = fp.local_shard
-    kept = bound_functions(local) if instance_methods(local) else None
+    set_on_instance = instance_methods(local)
+    kept = bound_functions(local) if set_on_instance else None
     if kept != fp.traced_methods:  # (the same object while unchanged: dynamo guards on it)
         fp.traced_methods = kept
-    return kept is None and instance_methods(local)
+    return set_on_instance and kept is None
 
 
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
