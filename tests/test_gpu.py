@@ -166,7 +166,8 @@ def test_cuda_cpu_offload_keeps_shards_and_grads_on_host(nccl_world, pin_memory)
 @pytest.mark.parametrize("offload", [False, True])
 def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offload):
     """FlatShard on the device (and with its shards offloaded to the host: its state dict gathers
-    them, which the review of 2026-11-26 suspected fails on an NCCL-only mesh; not yet run)."""
+    them, which the review of 2026-11-26 suspected fails on an NCCL-only mesh; ran on an H100 the
+    same day); its optimizer state dict in the default layout's form, loaded back (2026-11-27)."""
     from fully_shard import CPUOffloadPolicy, FlatShard, fully_shard
 
     torch.manual_seed(0)
@@ -190,6 +191,30 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
     assert all(tuple(sd[k].shape) == tuple(theirs[k].shape) for k in theirs)
     diff = max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
     print(f"flat offload={offload}: max |param diff| {diff:.2e}")
+    assert diff <= TOL64
+    # The optimizer's state dict in the default layout's form (issue #28: converted on the mesh's
+    # device, back to the state's own device when offloaded), equal to the unsharded AdamW's, and
+    # loaded back: the next step equals the unsharded model's.
+    osd, ref_osd = opt.state_dict(), ref_opt.state_dict()
+    assert sorted(osd["state"]) == sorted(ref_osd["state"])
+    state_diff = 0.0
+    for i, ref_state in ref_osd["state"].items():
+        for key, ref_value in ref_state.items():
+            value = osd["state"][i][key]
+            assert tuple(value.shape) == tuple(ref_value.shape), (i, key)
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            state_diff = max(state_diff, float((full.to(ref_value.device) - ref_value).abs().max()))
+    print(f"flat offload={offload}: max |optimizer state diff| {state_diff:.2e}")
+    assert state_diff <= TOL64
+    opt.load_state_dict(copy.deepcopy(osd))
+    x, y = synthetic_batch(3, 4, 16, model.cfg.vocab_size)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        loss_fn(m(x.cuda()), y.cuda()).backward()
+        o.step()
+        o.zero_grad()
+    sd = model.state_dict()
+    diff = max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
+    print(f"flat offload={offload}: after loading the optimizer state, max |param diff| {diff:.2e}")
     assert diff <= TOL64
 
 
