@@ -438,6 +438,50 @@ def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, worl
         assert r["continued"] == {"before_first_step": True, "after_a_step": True, "full_flat": True}, r
 
 
+def _compiled_only_optimizer() -> dict:
+    """An optimizer whose every step runs compiled (``torch.compile(opt.step)`` from the first step)
+    shows the default layout's form too: our step pre-hook checks once outside the graph (one graph
+    break, at the first trace). Its state equals a default-layout run stepped the same way; no new
+    graph after the first step. Until 2026-11-27 it showed the 1-D form."""
+    from torch._dynamo.utils import counters
+
+    from test_traced import _fresh_compiler
+
+    _fresh_compiler()
+    ref = make_mlp()
+    out = {}
+    for flat in (True, False):
+        model = _shard(copy.deepcopy(ref), flat)
+        opt = _adamw(model)
+        eager_step = opt.step
+        opt.step = torch.compile(eager_step, backend="aot_eager")
+        graphs = []
+        for step in range(4):
+            _steps(model, opt, 1, first=step)
+            graphs.append(counters["stats"]["unique_graphs"])
+        opt.step = eager_step
+        shapes = {k: tuple(v.shape) for k, v in opt.state_dict()["state"][0].items()}
+        out[flat] = (_full_state(opt), shapes, graphs)
+        counters.clear()
+    flat_state, default_state = out[True][0], out[False][0]
+    return {
+        "shapes": out[True][1],
+        "state_diff_default": max(float((flat_state[k] - default_state[k]).abs().max()) for k in default_state),
+        "state_equal_default": all(torch.equal(flat_state[k], default_state[k]) for k in default_state),
+        "new_graphs_after_the_first_step": [g[-1] - g[0] for _, _, g in out.values()],
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_an_optimizer_stepped_only_compiled_shows_the_default_layout(ranks, world_size):
+    for r in ranks(world_size).run(_compiled_only_optimizer):
+        assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
+        if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
+            assert r["state_equal_default"], r
+        assert r["state_diff_default"] <= TOL64, r
+        assert r["new_graphs_after_the_first_step"] == [0, 0], r
+
+
 def _full_optim_state(hsdp: bool, broadcast: bool) -> dict:
     """`get_optimizer_state_dict(full_state_dict=True)` of a flat run: each state in its parameter's
     shape, equal to the default layout's (float64 rounding at world 4); loaded back with

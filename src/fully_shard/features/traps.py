@@ -34,6 +34,7 @@ _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user ask
 # (FSDP1's use_orig_params=True keeps the original objects working).
 _rebindable: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _installed = False
+_CHECKED = "_fully_shard_checked"  # set on an optimizer once checked: a compiled step's guard reads it
 
 
 def install_optimizer_check() -> None:
@@ -57,8 +58,22 @@ def register_rebindable(params: Any) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling():  # a compiled optimizer step: checked by its eager steps only
+    if torch.compiler.is_compiling():
+        # A compiled step (``torch.compile(optimizer.step)``) checks once, outside the graph: a graph
+        # break at the first trace only (dynamo guards on the mark), so an optimizer that never
+        # steps eagerly gets the checks and the flat-state hooks too.
+        if not getattr(optimizer, _CHECKED, False):
+            _check_outside_compile(optimizer)
         return
+    _check(optimizer)
+
+
+@torch.compiler.disable
+def _check_outside_compile(optimizer: torch.optim.Optimizer) -> None:
+    _check(optimizer)
+
+
+def _check(optimizer: torch.optim.Optimizer) -> None:
     count = 0
     for group in optimizer.param_groups:
         count += len(group["params"])
@@ -85,6 +100,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         elif not isinstance(p, DTensor) and p not in _ignored:
             plain.append(p)
     _checked[optimizer] = (count, list({id(m.group): m.group for m in managed}.values()))
+    setattr(optimizer, _CHECKED, True)
     flat_state.adopt(optimizer, managed)
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
