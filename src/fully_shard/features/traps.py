@@ -20,6 +20,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import skip_code
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -58,18 +59,18 @@ def register_rebindable(params: Any) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling():
-        # A compiled step (``torch.compile(optimizer.step)``) checks once, outside the graph: a graph
-        # break at the first trace only (dynamo guards on the mark), so an optimizer that never
-        # steps eagerly gets the checks and the flat-state hooks too.
-        if not getattr(optimizer, _CHECKED, False):
-            _check_outside_compile(optimizer)
-        return
-    _check(optimizer)
+    if torch.compiler.is_compiling() and getattr(optimizer, _CHECKED, False):
+        return  # a compiled step of a checked optimizer (dynamo guards on the mark)
+    _check_outside_compile(optimizer)
 
 
 @torch.compiler.disable
 def _check_outside_compile(optimizer: torch.optim.Optimizer) -> None:
+    # Traced in a compiled step (``torch.compile(optimizer.step)``) before the optimizer was
+    # checked, this call breaks the graph: dynamo then runs torch's step wrapper eagerly (a break
+    # in its loop over the hooks) with the step's body compiled, as before, so an optimizer that
+    # never steps eagerly gets the checks and the flat-state hooks too. Run eagerly, what it calls
+    # is never compiled as frames of their own.
     _check(optimizer)
 
 
@@ -148,10 +149,20 @@ def _state_fits(optimizer: torch.optim.Optimizer, old: Any, sharded: DTensor) ->
 
 
 def _mark_copies_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling():
+        _mark(optimizer)
+    else:
+        _mark_outside_compile(optimizer)
+
+
+def _mark(optimizer: torch.optim.Optimizer) -> None:
     seen = _checked.get(optimizer)
     for group in seen[1] if seen is not None else ():
         if group.holds_copy:
             group.needs_sync = True
+
+
+_mark_outside_compile = torch.compiler.disable(_mark)
 
 
 def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:
@@ -162,3 +173,7 @@ def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:
         "its parameters unsharded for that backward), or inside unshard() / unsharded(). Fix: build the "
         "optimizer before the first forward or after backward, or call model.reshard() before building it."
     )
+
+
+skip_code(_check_optimizer.__code__)  # traced when inlined in a compiled step, never a frame of its own
+skip_code(_mark_copies_stale.__code__)
