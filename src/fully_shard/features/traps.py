@@ -5,7 +5,8 @@ the model does not train through (raised; FSDP1's ``use_orig_params=True`` regis
 parameters as rebindable: the optimizer's references are swapped for the sharded ones instead).
 One that also holds plain parameters no ``fully_shard`` call manages steps them with each rank's
 own gradients, so ranks drift apart (warned once per optimizer). One global step pre-hook looks at
-each optimizer again only when its parameter count changes.
+each optimizer again only when its parameter count changes; a compiled step
+(``torch.compile(optimizer.step)``) is checked once, outside the graph.
 
 An optimizer that writes through ``p.data`` changes the shards below every version counter, so a
 group holding an unsharded copy across the step (the root after a forward whose backward never ran,
