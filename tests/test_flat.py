@@ -438,11 +438,12 @@ def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, worl
         assert r["continued"] == {"before_first_step": True, "after_a_step": True, "full_flat": True}, r
 
 
-def _compiled_only_optimizer() -> dict:
-    """An optimizer whose every step runs compiled (``torch.compile(opt.step)`` from the first step)
-    shows the default layout's form too: our step pre-hook checks once outside the graph (one graph
-    break, at the first trace). Its state equals a default-layout run stepped the same way; no new
-    graph after the first step. Until 2026-11-27 it showed the 1-D form."""
+def _optimizer_compiled_after_an_eager_step() -> dict:
+    """The recipe of docs/planning.md for a compiled optimizer step: its first step eager (our step
+    pre-hook puts on the flat-state hooks there; under compile it stands aside, so a step compiled
+    from the first would show the 1-D form), then ``torch.compile(opt.step)``: the state dict shows
+    the default layout's form, equal to a default-layout run stepped the same way; no new graph
+    after the first compiled step."""
     from torch._dynamo.utils import counters
 
     from test_traced import _fresh_compiler
@@ -453,10 +454,11 @@ def _compiled_only_optimizer() -> dict:
     for flat in (True, False):
         model = _shard(copy.deepcopy(ref), flat)
         opt = _adamw(model)
+        _steps(model, opt, 1)
         eager_step = opt.step
         opt.step = torch.compile(eager_step, backend="aot_eager")
         graphs = []
-        for step in range(4):
+        for step in range(1, 4):
             _steps(model, opt, 1, first=step)
             graphs.append(counters["stats"]["unique_graphs"])
         opt.step = eager_step
@@ -468,18 +470,18 @@ def _compiled_only_optimizer() -> dict:
         "shapes": out[True][1],
         "state_diff_default": max(float((flat_state[k] - default_state[k]).abs().max()) for k in default_state),
         "state_equal_default": all(torch.equal(flat_state[k], default_state[k]) for k in default_state),
-        "new_graphs_after_the_first_step": [g[-1] - g[0] for _, _, g in out.values()],
+        "new_graphs_after_the_first_compiled_step": [g[-1] - g[0] for _, _, g in out.values()],
     }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_an_optimizer_stepped_only_compiled_shows_the_default_layout(ranks, world_size):
-    for r in ranks(world_size).run(_compiled_only_optimizer):
+def test_an_optimizer_compiled_after_an_eager_step_shows_the_default_layout(ranks, world_size):
+    for r in ranks(world_size).run(_optimizer_compiled_after_an_eager_step):
         assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
         if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
             assert r["state_equal_default"], r
         assert r["state_diff_default"] <= TOL64, r
-        assert r["new_graphs_after_the_first_step"] == [0, 0], r
+        assert r["new_graphs_after_the_first_compiled_step"] == [0, 0], r
 
 
 def _full_optim_state(hsdp: bool, broadcast: bool) -> dict:

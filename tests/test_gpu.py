@@ -194,7 +194,8 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
     assert diff <= TOL64
     # The optimizer's state dict in the default layout's form (issue #28: converted on the mesh's
     # device, back to the state's own device when offloaded), equal to the unsharded AdamW's, and
-    # loaded back: the next step equals the unsharded model's.
+    # loaded into a fresh AdamW (taken to the flat form at its first step): the next step equals
+    # the unsharded model's.
     osd, ref_osd = opt.state_dict(), ref_opt.state_dict()
     assert sorted(osd["state"]) == sorted(ref_osd["state"])
     state_diff = 0.0
@@ -206,9 +207,10 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
             state_diff = max(state_diff, float((full.to(ref_value.device) - ref_value).abs().max()))
     print(f"flat offload={offload}: max |optimizer state diff| {state_diff:.2e}")
     assert state_diff <= TOL64
-    opt.load_state_dict(copy.deepcopy(osd))
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)  # loaded before its first step
+    fresh.load_state_dict(copy.deepcopy(osd))
     x, y = synthetic_batch(3, 4, 16, model.cfg.vocab_size)
-    for m, o in ((model, opt), (ref, ref_opt)):
+    for m, o in ((model, fresh), (ref, ref_opt)):
         loss_fn(m(x.cuda()), y.cuda()).backward()
         o.step()
         o.zero_grad()

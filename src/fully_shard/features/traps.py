@@ -5,8 +5,7 @@ the model does not train through (raised; FSDP1's ``use_orig_params=True`` regis
 parameters as rebindable: the optimizer's references are swapped for the sharded ones instead).
 One that also holds plain parameters no ``fully_shard`` call manages steps them with each rank's
 own gradients, so ranks drift apart (warned once per optimizer). One global step pre-hook looks at
-each optimizer again only when its parameter count changes; a compiled step
-(``torch.compile(optimizer.step)``) is checked once, outside the graph.
+each optimizer again only when its parameter count changes.
 
 An optimizer that writes through ``p.data`` changes the shards below every version counter, so a
 group holding an unsharded copy across the step (the root after a forward whose backward never ran,
@@ -21,7 +20,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch._dynamo.eval_frame import skip_code
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -36,7 +34,6 @@ _ignored: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameters the user ask
 # (FSDP1's use_orig_params=True keeps the original objects working).
 _rebindable: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _installed = False
-_CHECKED = "_fully_shard_checked"  # set on an optimizer once checked: a compiled step's guard reads it
 
 
 def install_optimizer_check() -> None:
@@ -60,22 +57,8 @@ def register_rebindable(params: Any) -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling() and getattr(optimizer, _CHECKED, False):
-        return  # a compiled step of a checked optimizer (dynamo guards on the mark)
-    _check_outside_compile(optimizer)
-
-
-@torch.compiler.disable
-def _check_outside_compile(optimizer: torch.optim.Optimizer) -> None:
-    # Traced in a compiled step (``torch.compile(optimizer.step)``) before the optimizer was
-    # checked, this call breaks the graph: dynamo then runs torch's step wrapper eagerly (a break
-    # in its loop over the hooks) with the step's body compiled, as before, so an optimizer that
-    # never steps eagerly gets the checks and the flat-state hooks too. Run eagerly, what it calls
-    # is never compiled as frames of their own.
-    _check(optimizer)
-
-
-def _check(optimizer: torch.optim.Optimizer) -> None:
+    if torch.compiler.is_compiling():  # a compiled optimizer step: checked by its eager steps only
+        return
     count = 0
     for group in optimizer.param_groups:
         count += len(group["params"])
@@ -102,7 +85,6 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
         elif not isinstance(p, DTensor) and p not in _ignored:
             plain.append(p)
     _checked[optimizer] = (count, list({id(m.group): m.group for m in managed}.values()))
-    setattr(optimizer, _CHECKED, True)
     flat_state.adopt(optimizer, managed)
     if plain and any(m.info.data_parallel_size > 1 for m in managed):
         shapes = ", ".join(str(tuple(p.shape)) for p in plain[:4]) + (", ..." if len(plain) > 4 else "")
@@ -150,20 +132,10 @@ def _state_fits(optimizer: torch.optim.Optimizer, old: Any, sharded: DTensor) ->
 
 
 def _mark_copies_stale(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling():
-        _mark(optimizer)
-    else:
-        _mark_outside_compile(optimizer)
-
-
-def _mark(optimizer: torch.optim.Optimizer) -> None:
     seen = _checked.get(optimizer)
     for group in seen[1] if seen is not None else ():
         if group.holds_copy:
             group.needs_sync = True
-
-
-_mark_outside_compile = torch.compiler.disable(_mark)
 
 
 def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:
@@ -174,7 +146,3 @@ def _refuse_unsharded(optimizer: torch.optim.Optimizer, owner: Any) -> None:
         "its parameters unsharded for that backward), or inside unshard() / unsharded(). Fix: build the "
         "optimizer before the first forward or after backward, or call model.reshard() before building it."
     )
-
-
-skip_code(_check_optimizer.__code__)  # traced when inlined in a compiled step, never a frame of its own
-skip_code(_mark_copies_stale.__code__)
