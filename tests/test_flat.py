@@ -428,13 +428,18 @@ def _optim_round_trip() -> dict:
     }
 
 
+def _assert_default_form(r: dict, world_size: int) -> None:
+    """A flat run's optimizer state as shown: the default layout's shapes and values."""
+    assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
+    if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
+        assert r["state_equal_default"], r
+    assert r["state_diff_default"] <= TOL64, r
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_optimizer_state_dicts_show_the_default_layout_and_load_back(ranks, world_size):
     for r in ranks(world_size).run(_optim_round_trip):
-        assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
-        if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
-            assert r["state_equal_default"], r
-        assert r["state_diff_default"] <= TOL64, r
+        _assert_default_form(r, world_size)
         assert r["continued"] == {"before_first_step": True, "after_a_step": True, "full_flat": True}, r
 
 
@@ -477,10 +482,7 @@ def _optimizer_compiled_after_an_eager_step() -> dict:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_an_optimizer_compiled_after_an_eager_step_shows_the_default_layout(ranks, world_size):
     for r in ranks(world_size).run(_optimizer_compiled_after_an_eager_step):
-        assert r["shapes"] == {"step": (), "exp_avg": (13, 7), "exp_avg_sq": (13, 7)}, r
-        if world_size <= 2:  # the sums of at most 2 terms: one value whatever the order
-            assert r["state_equal_default"], r
-        assert r["state_diff_default"] <= TOL64, r
+        _assert_default_form(r, world_size)
         assert r["new_graphs_after_the_first_compiled_step"] == [0, 0], r
 
 
