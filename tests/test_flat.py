@@ -542,6 +542,31 @@ def test_full_optimizer_state_dicts_and_broadcast_from_rank0(ranks, hsdp):
             assert r["diff_default"] <= TOL64 and r["continued"], r
 
 
+def _broadcast_into_materialized() -> str:
+    """The stated limit: `set_model_state_dict(..., broadcast_from_rank0=True)` into a flat-sharded
+    model whose parameters hold memory fails inside torch (it copies rank 0's rows straight into
+    each live 1-D local tensor, before any hook of ours runs). Every rank raises at the same
+    entry, so none waits in a broadcast the others never join (no hang)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    ref = make_mlp()
+    full = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    model = _shard(copy.deepcopy(ref), True)
+    given = full if world()[0] == 0 else {}
+    try:
+        set_model_state_dict(
+            model, given, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+    except RuntimeError:
+        return "raised"
+    return "loaded"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_broadcast_from_rank0_into_a_materialized_flat_model_raises_on_every_rank(ranks, world_size):
+    assert ranks(world_size).run(_broadcast_into_materialized) == ["raised"] * world_size
+
+
 def _broadcast_into_meta(hsdp: bool = False) -> dict:
     """`set_model_state_dict(..., broadcast_from_rank0=True)` into a model built on the meta device
     and flat-sharded (rank 0 holds the full state dict): torch hands each parameter's rows in the
