@@ -167,7 +167,8 @@ def test_cuda_cpu_offload_keeps_shards_and_grads_on_host(nccl_world, pin_memory)
 def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offload):
     """FlatShard on the device (and with its shards offloaded to the host: its state dict gathers
     them, which the review of 2026-11-26 suspected fails on an NCCL-only mesh; ran on an H100 the
-    same day); its optimizer state dict in the default layout's form, loaded back (2026-11-27)."""
+    same day); its optimizer state dict in the default layout's form, loaded back (ran on an H100 on
+    2026-11-27 loading into the same AdamW; the load into a fresh AdamW not yet run on a GPU)."""
     from fully_shard import CPUOffloadPolicy, FlatShard, fully_shard
 
     torch.manual_seed(0)
