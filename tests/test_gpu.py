@@ -181,16 +181,20 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
     assert all(p.dim() == 1 for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
+    theirs = dict(ref.named_parameters())
+
+    def step_both(step: int, sharded_opt: torch.optim.Optimizer) -> float:
+        """One step of both models; the largest parameter difference after it."""
         x, y = synthetic_batch(step, 4, 16, model.cfg.vocab_size)
-        for m, o in ((model, opt), (ref, ref_opt)):
+        for m, o in ((model, sharded_opt), (ref, ref_opt)):
             loss_fn(m(x.cuda()), y.cuda()).backward()
             o.step()
             o.zero_grad()
-    sd = model.state_dict()
-    theirs = dict(ref.named_parameters())
-    assert all(tuple(sd[k].shape) == tuple(theirs[k].shape) for k in theirs)
-    diff = max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
+        sd = model.state_dict()
+        assert all(tuple(sd[k].shape) == tuple(theirs[k].shape) for k in theirs)
+        return max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
+
+    diff = max(step_both(step, opt) for step in range(3))
     print(f"flat offload={offload}: max |param diff| {diff:.2e}")
     assert diff <= TOL64
     # The optimizer's state dict in the default layout's form (issue #28: converted on the mesh's
@@ -210,13 +214,7 @@ def test_cuda_flat_shard_trains_and_saves_in_the_default_layout(nccl_world, offl
     assert state_diff <= TOL64
     fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)  # loaded before its first step
     fresh.load_state_dict(copy.deepcopy(osd))
-    x, y = synthetic_batch(3, 4, 16, model.cfg.vocab_size)
-    for m, o in ((model, fresh), (ref, ref_opt)):
-        loss_fn(m(x.cuda()), y.cuda()).backward()
-        o.step()
-        o.zero_grad()
-    sd = model.state_dict()
-    diff = max((sd[k].full_tensor().to(theirs[k].device) - theirs[k]).abs().max().item() for k in theirs)
+    diff = step_both(3, fresh)
     print(f"flat offload={offload}: after loading the optimizer state, max |param diff| {diff:.2e}")
     assert diff <= TOL64
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..layouts import flat
-from ..runtime.state import flat_param
+from ..runtime.state import flat_param, is_flat
 
 # optimizers whose state dicts convert (their hooks are installed)
 _hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -32,7 +32,7 @@ def adopt(optimizer: torch.optim.Optimizer, managed: list[Any]) -> None:
     """Called with the managed parameters an optimizer steps, at its first step (and when its
     parameter count changes): install the conversions if any is flat-sharded, and take state
     loaded in the default layout's form to the flat one."""
-    flats = [fp for fp in managed if flat_param(fp.sharded_param) is not None]
+    flats = [fp for fp in managed if is_flat(fp)]
     if not flats:
         return
     if optimizer not in _hooked:

@@ -343,7 +343,12 @@ def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
 def flat_param(param: nn.Parameter) -> Optional[Any]:
     """The `FSDPParam` of a flat-sharded parameter of 2+ dims (1-D ones are laid out as dim 0)."""
     fp = manager_of(param) or unsharded_owner(param)
-    return fp if fp is not None and fp.where.view is not None and len(fp.where.view) > 1 else None
+    return fp if fp is not None and is_flat(fp) else None
+
+
+def is_flat(fp: Any) -> bool:
+    """Whether a managed parameter is flat-sharded and of 2+ dims (its shard in another form)."""
+    return fp.where.view is not None and len(fp.where.view) > 1
 
 
 def _refuse_wrong_shapes(module: nn.Module, state_dict: dict, prefix: str) -> None:
