@@ -20,7 +20,9 @@ residual blocks), each block and the root sharded, same seed, same data, in one 
   output, reduce-scatter input); DDP's all-reduce runs inside its C++ reducer, unseen by the
   dispatcher, so its row reports the gradient bytes it all-reduces.
 
-``--unbucketed`` adds a row for ours with bucketing off; ``--in-flight N`` (repeatable) a row for
+``--compile --floor`` adds ``local+step``: each rank trains an unsharded replica of its own, whole
+step compiled, nothing communicated (not data parallel: the floor a sharded step is measured
+against). ``--unbucketed`` adds a row for ours with bucketing off; ``--in-flight N`` (repeatable) a row for
 ours with ``set_collectives_in_flight(N)``; ``--bucket-bytes N`` (repeatable) one with
 ``set_bucket_bytes(N)``; ``--hsdp`` shards over a (2, world/2)
 (replicate, shard) mesh; ``--finite-check`` / ``--schedule-check`` turn those checks on for ours
@@ -226,6 +228,9 @@ def build(name: str, args: argparse.Namespace) -> Impl:
         for block in blocks:
             torch_fully_shard(block, mesh=mesh, mp_policy=torch_mp)
         torch_fully_shard(model, mesh=mesh, mp_policy=torch_mp)
+    elif name == "local":  # the floor: each rank its own unsharded replica, nothing communicated
+        if dtype is not None:
+            model.to(dtype)
     elif name == "ddp":
         if device.type == "cpu":
             model = nn.parallel.DistributedDataParallel(model)
@@ -236,12 +241,12 @@ def build(name: str, args: argparse.Namespace) -> Impl:
     if compiled.startswith("blocks"):  # in place, after sharding: the hooks stay outside each block's graph
         for block in blocks:
             block.compile(backend=args.compile_backend)
-    elif compiled.startswith("model") or compiled == "step":  # ours: one graph, the collectives in it
+    elif compiled.startswith(("model", "step")):  # ours: one graph, the collectives in it
         _, _, collectives = compiled.partition(":")  # +model:bucket: FSDPModule.compile(collectives=...)
         extra = {"collectives": collectives} if collectives else {}
         model.compile(backend=args.compile_backend, fullgraph=True, **extra)
     impl = Impl(name + (f"+{compiled}" if compiled else ""), model, args.model, device)
-    if compiled in ("step", "blocks+opt"):
+    if compiled.startswith("step") or compiled == "blocks+opt":
         impl.opt_step = torch.compile(impl.opt.step, backend=args.compile_backend)
     return impl
 
@@ -334,6 +339,8 @@ def comm_bytes(impl: Impl, args: argparse.Namespace) -> tuple[int, int]:
     unseen by the dispatcher: its row reports the gradient bytes and 0 counted collectives."""
     if impl.name == "ddp":
         return sum(p.numel() * p.element_size() for p in impl.model.parameters() if p.requires_grad), 0
+    if impl.name.startswith("local"):  # nothing communicated
+        return 0, 0
     if "+" in impl.name:  # compiled: a dispatch mode would make dynamo skip the frames (-1: not counted)
         return -1, -1
     with CollectiveBytes() as counter:
@@ -428,11 +435,17 @@ def main() -> None:
                         "step's time (compiling) is reported")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-collectives", action="append", default=[],
-                   help="with --compile: also a row ours+model:NAME, the whole model compiled with "
-                        "FSDPModule.compile(collectives=NAME) (repeatable; docs/compile.md)")
+                   help="with --compile: also rows ours+model:NAME and ours+step:NAME, the whole model (and "
+                        "the optimizer step) compiled with FSDPModule.compile(collectives=NAME) (repeatable; "
+                        "docs/compile.md)")
     p.add_argument("--float8", action="store_true",
                    help="llama: torchao float8 training (float8 all-gather) for every Linear but the output, "
                         "for every implementation; the FFN width rounded up to a multiple of 256")
+    p.add_argument("--floor", action="store_true",
+                   help="with --compile: also a row local+step, each rank training an unsharded replica of its own "
+                        "(whole model and optimizer step compiled, nothing communicated, no gradients averaged): "
+                        "not data parallel, the floor a sharded step's time is measured against (bf16: the "
+                        "replica in bf16, optimizer included)")
     p.add_argument("--only", action="append", default=[], help="run only these rows (repeatable)")
     args = p.parse_args()
     defaults = {"llama": (128, 4), "wide": (4096, 4), "deep-narrow": (64, 64)}[args.model]
@@ -462,7 +475,9 @@ def main() -> None:
         # built twice (memory, then timing): each is a cache entry of that one code object.
         torch._dynamo.config.recompile_limit = 64
         names = ["ours", "ours+blocks", "ours+model", "ours+step",
-                 *(f"ours+model:{c}" for c in args.compile_collectives), "torch_fsdp2+blocks", "torch_fsdp2+blocks+opt"]
+                 *(f"ours+{w}:{c}" for c in args.compile_collectives for w in ("model", "step")), "torch_fsdp2+blocks", "torch_fsdp2+blocks+opt"]
+    if args.compile and args.floor:
+        names.append("local+step")
     if args.unbucketed:
         names.insert(1, "ours_unbucketed")
     for n in args.in_flight:
@@ -511,6 +526,7 @@ def main() -> None:
             mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
             pairs = [(n, "torch_fsdp2+blocks") for n in names if n.startswith(("ours+model", "ours+step"))]
             pairs += [("ours+step", "torch_fsdp2+blocks+opt")] if {"ours+step", "torch_fsdp2+blocks+opt"} <= set(names) else []
+            pairs += [(n, "local+step") for n in ("ours+step", "torch_fsdp2+blocks") if {n, "local+step"} <= set(names)]
             table += "\n" + "".join(
                 f"{n} / {t}: step time {medians[n] / medians[t]:.2f}x, peak memory {mib[n] / mib[t]:.2f}x\n"
                 for n, t in pairs)

@@ -765,6 +765,7 @@ def _inductor_collectives(collectives: str) -> dict:
         "all_gathers": [sum(code.count(calls.format(op)) for op in ("all_gather_into_tensor", "all_gather_into_tensor_out"))
                         for code in codes],
         "reduce_scatters": [code.count(calls.format("reduce_scatter_tensor")) for code in codes],
+        "waits": [code.count(calls.format("wait_tensor")) for code in codes],
         "graphs": counters["stats"]["unique_graphs"],
         "param_diff": max((ea[k] - eb[k]).abs().max().item() for k in ea),
         "loss_diff": max(abs(x - y) for x, y in zip(a, b)),
@@ -785,10 +786,12 @@ def test_inductor_bucketing_of_the_graph_collectives(ranks, collectives, all_gat
     ``"bucket"`` caps a bucket at twice the largest group's bytes and buckets the forward's
     all-gathers and the reduce-scatters, not the backward's regathers (which would hold two groups'
     parameters through the first one's backward): 2 all-gathers forward, 3 backward, 2
-    reduce-scatters. Each compiles as one graph (no recompile over the steps), and training equals
-    eager within float64 rounding."""
+    reduce-scatters. Each collective is waited on once (until 2026-11-28 the traced path waited
+    twice, and Inductor copied each gathered bucket to wait on the copy). Each compiles as one
+    graph (no recompile over the steps), and training equals eager within float64 rounding."""
     (r,) = ranks(2).run(_inductor_collectives, collectives)[:1]
     assert (r["all_gathers"], r["reduce_scatters"]) == (all_gathers, reduce_scatters), r
+    assert r["waits"] == [a + b for a, b in zip(all_gathers, reduce_scatters)], r
     assert r["graphs"] == 1 and r["param_diff"] <= TOL64 and r["loss_diff"] <= TOL64, r
 
 

@@ -417,6 +417,14 @@ def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     return hooks, (*pre_args, fp.dtypes.policy) if hooks.full_signature else pre_args[:1]
 
 
+def _landed(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result, waited on once. Under tracing funcol has already put its
+    ``wait_tensor`` in the graph: a second one made Inductor copy the whole result (a gathered
+    bucket, a reduced shard) before waiting on the copy. In eager it hands an
+    ``AsyncCollectiveTensor``, waited on here."""
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
 def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
     """Every rank's ``flat_in``, one row each (in two stages with a `PostForwardGroup`)."""
     pf = plan.post_forward
@@ -425,7 +433,7 @@ def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
     if pf is None and plan.custom_all_gather is not None:
         return opaque.custom_all_gather(flat_in, plan.custom_all_gather, plan.world).view(plan.world, -1)
     if pf is None:
-        return funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(plan.world, -1)
+        return _landed(funcol.all_gather_tensor(flat_in, 0, plan.group)).view(plan.world, -1)
     # the shards of ranks pos, pos + k, ...; then those of each position, in rank order
     if plan.custom_all_gather is not None:  # the first stage as eager's forward: the whole group
         # through the custom comm, the rows kept picked (the second stage, recomputed in backward,
@@ -433,8 +441,8 @@ def _all_gather(plan: "_Plan", flat_in: torch.Tensor) -> torch.Tensor:
         whole = opaque.custom_all_gather(flat_in, plan.custom_all_gather, plan.world).view(plan.world, -1)
         kept = opaque.kept_rows(whole, pf.size, pf.rank).view(-1)
     else:
-        kept = funcol.wait_tensor(funcol.all_gather_tensor(flat_in, 0, pf.across))
-    out = funcol.wait_tensor(funcol.all_gather_tensor(kept, 0, pf.group))
+        kept = _landed(funcol.all_gather_tensor(flat_in, 0, pf.across))
+    out = _landed(funcol.all_gather_tensor(kept, 0, pf.group))
     return out.view(pf.size, plan.world // pf.size, -1).transpose(0, 1).reshape(plan.world, -1)
 
 
@@ -625,7 +633,7 @@ class _GatherGroup(torch.autograd.Function):
         if plan.world > 1 and plan.custom_reduce_scatter is not None:
             out = opaque.custom_reduce_scatter(rs_input, plan.custom_reduce_scatter, plan.world)
         elif plan.world > 1:
-            out = funcol.wait_tensor(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
+            out = _landed(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
         else:
             out = rs_input
         slots = [layout.shard_numel for layout in plan.layouts]
@@ -638,7 +646,7 @@ class _GatherGroup(torch.autograd.Function):
         if any(ctx.partials):  # the sums deferred by earlier backwards, added slot by slot
             out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, slots)])
         if plan.replicate_group is not None:
-            out = funcol.wait_tensor(funcol.all_reduce(out, "sum", plan.replicate_group))
+            out = _landed(funcol.all_reduce(out, "sum", plan.replicate_group))
         if plan.hook is not None:  # as eager's: after the all-reduce, before the division
             opaque.all_reduce_hook(out, plan.hook)
         if plan.after != 1:
