@@ -476,7 +476,9 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64
         names = ["ours", "ours+blocks", "ours+model", "ours+step",
                  *(f"ours+{w}:{c}" for c in args.compile_collectives for w in ("model", "step")), "torch_fsdp2+blocks", "torch_fsdp2+blocks+opt"]
-    if args.compile and args.floor:
+    if args.floor and not args.compile:
+        raise SystemExit("--floor adds local+step, a compiled row: use it with --compile")
+    if args.floor:
         names.append("local+step")
     if args.unbucketed:
         names.insert(1, "ours_unbucketed")
@@ -522,9 +524,10 @@ def main() -> None:
 
     if rank == 0:
         table, rows = report(names, args, device, world, medians, spans, host, peaks, reserved_peaks, comm)
-        if args.compile and "torch_fsdp2+blocks" in names:
+        if args.compile and ("torch_fsdp2+blocks" in names or "local+step" in names):
             mib = {n: statistics.median(max(v) for v in zip(*(pk[n] for pk in peaks))) / 2**20 for n in names}
-            pairs = [(n, "torch_fsdp2+blocks") for n in names if n.startswith(("ours+model", "ours+step"))]
+            pairs = [(n, "torch_fsdp2+blocks") for n in names
+                     if n.startswith(("ours+model", "ours+step")) and "torch_fsdp2+blocks" in names]
             pairs += [("ours+step", "torch_fsdp2+blocks+opt")] if {"ours+step", "torch_fsdp2+blocks+opt"} <= set(names) else []
             pairs += [(n, "local+step") for n in ("ours+step", "torch_fsdp2+blocks") if {n, "local+step"} <= set(names)]
             table += "\n" + "".join(
