@@ -67,6 +67,12 @@ def bound_functions(local: torch.Tensor) -> Optional[InstanceMethods]:
     return None
 
 
+def may_extend(local: torch.Tensor, codec: Any, instance: Optional[InstanceMethods]) -> bool:
+    """Whether `class_hooks` may find hooks: methods set on the instance, on its class, or a codec."""
+    cls = type(local)
+    return instance is not None or codec is not None or hasattr(cls, _PRE) or hasattr(cls, _POST)
+
+
 def class_hooks(
     local: torch.Tensor, codec: Any, fqn: str, instance: Optional[InstanceMethods] = None
 ) -> Optional[Hooks]:

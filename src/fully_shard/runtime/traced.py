@@ -51,13 +51,16 @@ from torch.distributed.tensor import DTensor
 
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
-from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
+from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, may_extend, rebind
 from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
 from .registry import managed_by_id
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
+# what a further input of a traced gather is (`gather_group`'s slots); the sums backward adds are saved
+_ACCUMULATOR, _PENDING, _LEAF, _PARTIAL = range(4)
+_SAVED = (_PENDING, _PARTIAL)
 _C10D = torch.ops._c10d_functional
 
 
@@ -234,29 +237,51 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     _guard_places(params)
     plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
-    accumulators = [_accumulator(fp) if not plan.sync and fp.requires_grad else None for fp in params]
-    # A synced backward adds what micro-batches without sync accumulated: taken here, once per
-    # forward (outside the recomputed region), as eager's post-backward takes it.
-    taking = plan.sync and torch.is_grad_enabled()
-    pending = [_take_accumulated(fp) if taking else None for fp in params]
-    # HSDP: a backward that defers the all-reduce adds its sums to each parameter's partial leaf;
-    # one that all-reduces takes what the leaves hold (as eager's `FSDPParam.take_partial_reduce`).
-    leaves = [_partial_leaf(fp, plan) if plan.defer and fp.requires_grad else None for fp in params]
-    taking = taking and plan.replicate_group is not None and not plan.defer
-    partials = [fp.take_partial_reduce() if taking else None for fp in params]
+    # The gather's further inputs, each named in ``slots`` by (what it is, whose: the parameter's
+    # index), only those present: without sync, each trainable parameter's accumulator; with sync,
+    # what micro-batches without sync accumulated (taken here, once per forward, outside the
+    # recomputed region, as eager's post-backward takes it); with HSDP, a backward deferring the
+    # all-reduce adds its sums to each parameter's partial leaf, one all-reducing takes what the
+    # leaves hold (as eager's `FSDPParam.take_partial_reduce`).
+    extra: list[torch.Tensor] = []
+    slots: list[tuple[int, int]] = []
+    if not plan.sync:
+        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
+            if fp.requires_grad:
+                extra.append(_accumulator(fp))
+                slots.append((_ACCUMULATOR, i))
+    elif torch.is_grad_enabled():
+        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
+            pending = _take_accumulated(fp)
+            if pending is not None:
+                extra.append(pending)
+                slots.append((_PENDING, i))
+    if plan.defer:
+        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
+            if fp.requires_grad:
+                extra.append(_partial_leaf(fp, plan))
+                slots.append((_LEAF, i))
+    elif plan.sync and plan.replicate_group is not None and torch.is_grad_enabled():
+        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
+            partial = fp.take_partial_reduce()
+            if partial is not None:
+                extra.append(partial)
+                slots.append((_PARTIAL, i))
+    n, plan.slots = len(params), tuple(slots)
 
     def gather(*inputs: Any) -> list[torch.Tensor]:
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
         # DTensor on the TP mesh, as eager's unsharded gradient)
         local = [_local(t) for t in inputs]
-        encoded = _encode(plan, local[: len(params)]) if any(plan.extensions) else []
+        encoded = _encode(plan, local[:n]) if plan.extended else []
         counts = tuple(len(spec[2]) if spec is not None else 0 for spec in encoded)
         sent = [t for spec in encoded if spec is not None for t in spec[2]]
-        outputs = _GatherGroup.apply(plan, counts, *local, *sent)
+        tail = (*sent, None) if len(local) + len(sent) == 2 else sent  # (see `_GatherGroup`)
+        outputs = _GatherGroup.apply(plan, counts, *local, *tail)
         fulls = _decode(plan, outputs, encoded) if encoded else outputs
         return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
-    inputs = (*shards, *accumulators, *pending, *leaves, *partials)
+    inputs = (*shards, *extra)
     if not reshard:
         return gather(*inputs)
     from torch.utils.checkpoint import checkpoint
@@ -379,7 +404,8 @@ class _Plan:
         info, s = group.info, group.settings
         self.layouts = [fp.where.layout for fp in params]
         self.views = [fp.where.view for fp in params]  # `FLAT`: the parameter's shape
-        self.paths = [fp.path for fp in params]
+        self.params = params  # (their paths, for messages only: read where one is needed)
+        self.slots: tuple[tuple[int, int], ...] = ()  # the gather's further inputs (`gather_group`)
         self.post_forward = post_forward
         self.param_dtype = params[0].dtypes.param  # one per group, as the eager all-gather's buffer
         self.device = info.device  # where the gather runs; an offloaded shard lives on the host:
@@ -396,6 +422,7 @@ class _Plan:
         self.sync = s.requires_gradient_sync
         # per parameter, its all-gather extension's hooks (a tensor subclass's, or a codec's)
         self.extensions = [_extension_calls(fp) for fp in params]
+        self.extended = any(e is not None for e in self.extensions)
         self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
         # the user's communication code, run by opaque ops (`opaque`) that look the group up by key
         key = id(params[0])
@@ -408,7 +435,10 @@ def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     """A parameter's all-gather extension (`extension.class_hooks`: its local tensor's class's
     ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, else its codec) and the arguments after the
     shard its pre hook takes (as eager's `FSDPParam.extension_inputs`), or None."""
-    hooks = class_hooks(fp.local_shard, fp.codec, fp.path, fp.traced_methods)
+    local, codec, instance = fp.local_shard, fp.codec, fp.traced_methods
+    if not may_extend(local, codec, instance):  # (spares the path, needed only in messages)
+        return None
+    hooks = class_hooks(local, codec, fp.path, instance)
     if hooks is None:
         return None
     fp.refuse_extension_off_dim0()
@@ -455,12 +485,11 @@ def _encode(plan: "_Plan", shards: list[torch.Tensor]) -> list[Optional[tuple[An
     eager's. Outside `_GatherGroup`, as `_decode`: what the hooks make carries no gradient, and a
     tensor subclass leaving the function would make dynamo trace its backward on that subclass."""
     encoded: list[Optional[tuple[Any, Any, list[torch.Tensor]]]] = []
-    for local, layout, host, calls, path in zip(
-        shards, plan.layouts, plan.hosts, plan.extensions, plan.paths
-    ):
+    for local, layout, host, calls, fp in zip(shards, plan.layouts, plan.hosts, plan.extensions, plan.params):
         if calls is None:
             encoded.append(None)
             continue
+        path = fp.path
         hooks, pre_args = calls
         hooks = rebind(hooks, local.to(plan.device) if host is not None else local)
         returned, metadata = _unpack(hooks.pre(*pre_args), path)
@@ -544,26 +573,27 @@ class _Rebuilt(torch.autograd.Function):
 
 class _GatherGroup(torch.autograd.Function):
     """Forward: the eager all-gather's layout (each rank's padded shards, cast, end to end), one
-    functional all-gather, each parameter cut out. Backward: the eager reduction."""
+    functional all-gather, each parameter cut out. Backward: the eager reduction.
+
+    Never called with exactly two tensors: where no input requires grad, dynamo (2.13) calls
+    ``forward`` without its context if the arguments number its parameters (``*inputs`` counted
+    as one), and the plan would land in ``ctx``; a trailing None pads that case (`gather_group`)."""
 
     @staticmethod
     def forward(
         ctx: Any, plan: _Plan, counts: tuple[int, ...], *inputs: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        # inputs, n of each: the local shards; per parameter its accumulator (without sync), the
-        # gradient accumulated without sync to add in backward, its partial leaf (HSDP all-reduce
-        # deferred) and the deferred sums to add before the all-reduce (each None where none)
-        n = len(plan.layouts)
-        shards, pending, partials = inputs[:n], inputs[2 * n : 3 * n], inputs[4 * n : 5 * n]
-        ctx.plan, ctx.sent = plan, len(inputs) - 5 * n  # then what extensions send (`_encode`)
-        ctx.pending = [p is not None for p in pending]
-        ctx.partials = [p is not None for p in partials]
-        ctx.save_for_backward(*(p for p in (*pending, *partials) if p is not None))
+        # inputs: the n local shards; the further inputs named by ``plan.slots`` (`gather_group`);
+        # what extensions send (`_encode`). What backward adds (pending sums) is saved, in slot order.
+        n, slots = len(plan.layouts), plan.slots
+        shards, extra = inputs[:n], inputs[n : n + len(slots)]
+        ctx.plan, ctx.sent = plan, len(inputs) - n - len(slots)
+        ctx.save_for_backward(*(t for (kind, _), t in zip(slots, extra) if kind in _SAVED))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
-        if any(plan.extensions):
+        if plan.extended:
             local = [t.to(plan.device, non_blocking=True) for t in shards]
-            outputs = _gather_encoded(plan, local, counts, inputs[5 * n :])
+            outputs = _gather_encoded(plan, local, counts, inputs[n + len(slots) :])
             ctx.mark_non_differentiable(*outputs[n:])
             return outputs
         shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
@@ -597,19 +627,22 @@ class _GatherGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         plan = ctx.plan
+        slots = plan.slots
         n = len(plan.layouts)
-        none, sent = [None] * n, [None] * ctx.sent
-        if not plan.sync:  # to the unsharded parameters' .grad, unreduced (autograd sums them)
-            kept = [g if trainable else None for g, trainable in zip(grads, plan.requires_grad)]
-            return (None, None, *none, *kept, *none, *none, *none, *sent)
+        head, none, sent = (None, None), [None] * n, [None] * ctx.sent  # (the plan, the counts)
+        if not plan.sync:  # to the accumulators' .grad, unreduced (autograd sums them)
+            return (*head, *none, *(grads[i] for _, i in slots), *sent)
         saved = iter(ctx.saved_tensors)
-        grads = tuple(
-            (next(saved) + g if g is not None else next(saved)) if has else g
-            for g, has in zip(grads, ctx.pending)
-        )
-        partials = [next(saved) if has else None for has in ctx.partials]
-        if all(g is None for g in grads) and not any(ctx.partials):
-            return (None,) * (2 + 5 * n + ctx.sent)
+        pending: list[Optional[torch.Tensor]] = [None] * n
+        partials: list[Optional[torch.Tensor]] = [None] * n
+        for kind, i in slots:
+            if kind == _PENDING:
+                pending[i] = next(saved)
+            elif kind == _PARTIAL:
+                partials[i] = next(saved)
+        grads = tuple(g if p is None else p if g is None else p + g for g, p in zip(grads, pending))
+        if all(g is None for g in grads) and not any(p is not None for p in partials):
+            return (None,) * (2 + n + len(slots) + ctx.sent)
         dtype = plan.reduce_dtype
         device = next(t.device for t in (*grads, *partials) if t is not None)
         inputs = [
@@ -621,7 +654,7 @@ class _GatherGroup(torch.autograd.Function):
             for g, layout, view in zip(grads, plan.layouts, plan.views)
         ]
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
-        if any(plan.extensions):  # an extension's gradient may be a subclass: into a plain tensor, as eager
+        if plan.extended:  # an extension's gradient may be a subclass: into a plain tensor, as eager
             slot = sum(layout.shard_numel for layout in plan.layouts)
             rs_input = torch.empty((plan.world, slot), dtype=dtype, device=device)
             torch._chunk_cat(inputs, dim=0, num_chunks=plan.world, out=rs_input)  # (returns the subclass)
@@ -636,24 +669,22 @@ class _GatherGroup(torch.autograd.Function):
             out = _landed(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
         else:
             out = rs_input
-        slots = [layout.shard_numel for layout in plan.layouts]
-        if plan.defer:  # each slot, as it is, added to the parameter's partial leaf
-            kept = [
-                piece if trainable and (g is not None) else None
-                for piece, g, trainable in zip(out.split(slots), grads, plan.requires_grad)
-            ]
-            return (None, None, *none, *none, *none, *kept, *none, *sent)
-        if any(ctx.partials):  # the sums deferred by earlier backwards, added slot by slot
-            out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, slots)])
+        sizes = [layout.shard_numel for layout in plan.layouts]
+        if plan.defer:  # each slot, as it is, added to the parameter's partial leaf (its slot's)
+            pieces = out.split(sizes)
+            kept = [pieces[i] if kind == _LEAF and grads[i] is not None else None for kind, i in slots]
+            return (*head, *none, *kept, *sent)
+        if any(p is not None for p in partials):  # the sums deferred by earlier backwards, slot by slot
+            out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, sizes)])
         if plan.replicate_group is not None:
             out = _landed(funcol.all_reduce(out, "sum", plan.replicate_group))
         if plan.hook is not None:  # as eager's: after the all-reduce, before the division
             opaque.all_reduce_hook(out, plan.hook)
         if plan.after != 1:
             out = out / plan.after
-        result: list[Optional[torch.Tensor]] = [None, None]  # the plan, the counts
+        result: list[Optional[torch.Tensor]] = []
         offset = 0
-        for i, (grad, partial, layout) in enumerate(zip(grads, partials, plan.layouts)):
+        for i, grad, partial, layout in zip(range(n), grads, partials, plan.layouts):
             piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
             piece = piece[: layout.local_rows]
             offset += layout.shard_numel
@@ -665,4 +696,4 @@ class _GatherGroup(torch.autograd.Function):
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece if trainable and (grad is not None or partial is not None) else None)
-        return (*result, *none, *none, *none, *none, *sent)
+        return (*head, *result, *[None] * len(slots), *sent)
