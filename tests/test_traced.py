@@ -1497,3 +1497,54 @@ def test_a_compiled_call_while_unsharded_gathers_from_the_shards(ranks, how, wor
 def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, how, world_size):
     for r in ranks(world_size).run(_assigned, how):
         assert r["equal"] and r["graphs"] == (2 if how == "dict_after" else 1), r
+
+
+def _two_tensor_gathers() -> dict:
+    """A frozen Linear (weight and bias: a gather of exactly two tensors, none requiring grad) and
+    a compiled call under ``torch.no_grad()``: dynamo's path for an autograd function whose inputs
+    need no gradient once handed the plan to ``ctx`` there (`traced._GatherGroup`)."""
+    from torch._dynamo.utils import counters
+
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4)).double()
+    base[0].requires_grad_(False)
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (eager, compiled):
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        no_grad_equal = torch.equal(eager(x), fn(x))
+    losses: list[list[float]] = [[], []]
+    for i, (model, call) in enumerate(((eager, eager), (compiled, fn))):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            loss = call(x.chunk(w)[rank] + step).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(global_mean(loss))
+    ea, eb = _full(eager), _full(compiled)
+    return {"no_grad_equal": no_grad_equal, "losses_equal": losses[0] == losses[1],
+            "loss_diff": max(abs(a - b) for a, b in zip(*losses)),
+            "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
+            "param_diff": max((ea[k] - eb[k]).abs().max().item() for k in ea),
+            "frozen_kept": all(torch.equal(ea[k], base.state_dict()[k]) for k in ("0.weight", "0.bias")),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_two_tensor_gather_compiles_frozen_and_under_no_grad(ranks, world_size):
+    for r in ranks(world_size).run(_two_tensor_gathers):
+        print(f"world {world_size}: {r}")
+        assert r["graphs"] == 2 and r["frozen_kept"], r  # one graph without grad, one with
+        if world_size <= 2:
+            assert r["no_grad_equal"] and r["losses_equal"] and r["params_equal"], r
+        else:  # gloo's ring order (see test_whole_model_compiles_as_one_graph_and_equals_eager)
+            assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r

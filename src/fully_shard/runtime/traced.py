@@ -575,9 +575,10 @@ class _GatherGroup(torch.autograd.Function):
     """Forward: the eager all-gather's layout (each rank's padded shards, cast, end to end), one
     functional all-gather, each parameter cut out. Backward: the eager reduction.
 
-    Never called with exactly two tensors: where no input requires grad, dynamo (2.13) calls
-    ``forward`` without its context if the arguments number its parameters (``*inputs`` counted
-    as one), and the plan would land in ``ctx``; a trailing None pads that case (`gather_group`)."""
+    Never called with exactly two tensors: where no input requires grad or grad mode is off,
+    dynamo (2.13) calls ``forward`` without its context if the arguments number its parameters
+    (``*inputs`` counted as one), and the plan would land in ``ctx``; a trailing None pads that case
+    (`gather_group`; `test_a_two_tensor_gather_compiles_frozen_and_under_no_grad`)."""
 
     @staticmethod
     def forward(
