@@ -37,7 +37,7 @@ class Hooks:
     source: Any  # the codec, or the local tensor's class: what builds the unsharded parameter
 
 
-def hooks_of(local: torch.Tensor, codec: Any, fqn: str) -> Optional[Hooks]:
+def hooks_of(local: torch.Tensor, codec: Any, fqn: str | Callable[[], str]) -> Optional[Hooks]:
     """The hooks for local shard ``local``: its own methods, else the codec's, else None (plain)."""
     pre, post = getattr(local, _PRE, None), getattr(local, _POST, None)
     if pre is None and post is None:
@@ -67,18 +67,13 @@ def bound_functions(local: torch.Tensor) -> Optional[InstanceMethods]:
     return None
 
 
-def may_extend(local: torch.Tensor, codec: Any, instance: Optional[InstanceMethods]) -> bool:
-    """Whether `class_hooks` may find hooks: methods set on the instance, on its class, or a codec."""
-    cls = type(local)
-    return instance is not None or codec is not None or hasattr(cls, _PRE) or hasattr(cls, _POST)
-
-
 def class_hooks(
-    local: torch.Tensor, codec: Any, fqn: str, instance: Optional[InstanceMethods] = None
+    local: torch.Tensor, codec: Any, fqn: Callable[[], str], instance: Optional[InstanceMethods] = None
 ) -> Optional[Hooks]:
     """`hooks_of` as the traced path reads it: the methods set on the instance (``instance``, found
     by `bound_functions` outside the trace: dynamo sees only a traced tensor's class), else those
-    of the local tensor's *class*, bound to ``local``, else the codec's."""
+    of the local tensor's *class*, bound to ``local``, else the codec's. ``fqn`` gives the
+    parameter's path, called only for a message (the traced path spares reading it)."""
     if instance is not None:
         pre, post = functools.partial(instance.pre, local), functools.partial(instance.post, local)
         return replace(_checked(pre, post, local, fqn, instance.arity), source=instance)
@@ -124,8 +119,9 @@ def _arity(pre: Callable[..., Any]) -> int:
         return arity
 
 
-def _checked(pre: Any, post: Any, local: torch.Tensor, fqn: str, arity: int) -> Hooks:
+def _checked(pre: Any, post: Any, local: torch.Tensor, fqn: str | Callable[[], str], arity: int) -> Hooks:
     if pre is None or post is None:
+        fqn = fqn if isinstance(fqn, str) else fqn()
         raise TypeError(
             f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} "
             f"but not {_POST if pre else _PRE}. An all-gather extension needs both: one chooses what is "
@@ -133,6 +129,7 @@ def _checked(pre: Any, post: Any, local: torch.Tensor, fqn: str, arity: int) -> 
             "(PyTorch's signatures)."
         )
     if arity not in (1, 5):
+        fqn = fqn if isinstance(fqn, str) else fqn()
         raise TypeError(
             f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
             f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, "

@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
-from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, may_extend, rebind
+from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
 from . import opaque
 from .lifecycle import IterationPhase, TrainingPhase
 from .registry import managed_by_id
@@ -238,36 +238,29 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
     # The gather's further inputs, each named in ``slots`` by (what it is, whose: the parameter's
-    # index), only those present: without sync, each trainable parameter's accumulator; with sync,
-    # what micro-batches without sync accumulated (taken here, once per forward, outside the
-    # recomputed region, as eager's post-backward takes it); with HSDP, a backward deferring the
-    # all-reduce adds its sums to each parameter's partial leaf, one all-reducing takes what the
+    # index), only those present: without sync, each trainable parameter's accumulator; with HSDP
+    # and a backward deferring the all-reduce, each one's partial leaf, to which it adds its sums.
+    # These are looked up first, as they may refuse the step; only then is anything taken: with
+    # sync, what micro-batches without sync accumulated (once per forward, outside the recomputed
+    # region, as eager's post-backward takes it) and, with HSDP all-reducing, what the partial
     # leaves hold (as eager's `FSDPParam.take_partial_reduce`).
-    extra: list[torch.Tensor] = []
-    slots: list[tuple[int, int]] = []
-    if not plan.sync:
-        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
-            if fp.requires_grad:
-                extra.append(_accumulator(fp))
-                slots.append((_ACCUMULATOR, i))
-    elif torch.is_grad_enabled():
-        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
-            pending = _take_accumulated(fp)
-            if pending is not None:
-                extra.append(pending)
-                slots.append((_PENDING, i))
-    if plan.defer:
-        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
-            if fp.requires_grad:
-                extra.append(_partial_leaf(fp, plan))
-                slots.append((_LEAF, i))
-    elif plan.sync and plan.replicate_group is not None and torch.is_grad_enabled():
-        for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
-            partial = fp.take_partial_reduce()
-            if partial is not None:
-                extra.append(partial)
-                slots.append((_PARTIAL, i))
-    n, plan.slots = len(params), tuple(slots)
+    found: list[tuple[int, int, torch.Tensor]] = []
+    for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
+        if fp.requires_grad and not plan.sync:
+            found.append((_ACCUMULATOR, i, _accumulator(fp)))
+        elif fp.requires_grad and plan.defer:
+            found.append((_LEAF, i, _partial_leaf(fp, plan)))
+    takes = plan.sync and torch.is_grad_enabled()
+    takes_partial = takes and plan.replicate_group is not None and not plan.defer
+    for i, fp in zip(range(len(params)), params):
+        pending = _take_accumulated(fp) if takes else None
+        if pending is not None:
+            found.append((_PENDING, i, pending))
+        partial = fp.take_partial_reduce() if takes_partial else None
+        if partial is not None:
+            found.append((_PARTIAL, i, partial))
+    extra = [t for _, _, t in found]
+    n, plan.slots = len(params), tuple((kind, i) for kind, i, _ in found)
 
     def gather(*inputs: Any) -> list[torch.Tensor]:
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
@@ -435,10 +428,7 @@ def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     """A parameter's all-gather extension (`extension.class_hooks`: its local tensor's class's
     ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, else its codec) and the arguments after the
     shard its pre hook takes (as eager's `FSDPParam.extension_inputs`), or None."""
-    local, codec, instance = fp.local_shard, fp.codec, fp.traced_methods
-    if not may_extend(local, codec, instance):  # (spares the path, needed only in messages)
-        return None
-    hooks = class_hooks(local, codec, fp.path, instance)
+    hooks = class_hooks(fp.local_shard, fp.codec, lambda: fp.path, fp.traced_methods)
     if hooks is None:
         return None
     fp.refuse_extension_off_dim0()
