@@ -27,6 +27,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
+PRELOAD = ["torch", "torch.distributed", "fully_shard"]  # imported once, in the forkserver
 CALL_TIMEOUT_S = float(os.environ.get("FULLY_SHARD_TEST_TIMEOUT", "300"))
 # Process groups a rank may hold before its pool is rebuilt after the test (`refresh`): tests make
 # meshes and groups that nothing destroys, and every live gloo group slows a rank down (40 extra
@@ -79,7 +80,7 @@ class RankPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "torch.distributed", "fully_shard"])
+        self._ctx.set_forkserver_preload(PRELOAD)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._last = "(start)"

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import fresh_process
 from rank_utils import cpu_mesh, world
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,7 +50,7 @@ def _names(shape: tuple[int, ...]) -> tuple[str, ...]:
 
 def _simulated(mesh_shape: tuple[int, ...], steps: int = 2, tp: bool = False, offload: bool = False,
                cfg: dict = CFG, batch: tuple[int, int] = BATCH, backend: str = "nccl") -> dict:
-    """``simulate`` in a fresh process (it needs one without a process group)."""
+    """``simulate`` in a fresh process (it needs one without a process group; `fresh_process`)."""
     extra = f", mesh_dim_names={_names(mesh_shape)!r}, shard_fn=test_plan._tp_shard" if tp else ""
     if offload:
         extra = ", shard_fn=test_plan._offload_shard"
@@ -70,7 +71,7 @@ print(json.dumps({{"peak": plan.peak_bytes, "params": plan.parameters, "world": 
     "combined": max(s.total + s.host for s in plan.timeline),
     "timeline": [(s.label, s.total, s.by_category["communication"]) for s in plan.timeline]}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = fresh_process.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -219,7 +220,7 @@ def test_simulation_scales_to_a_thousand_ranks():
 
 
 def test_command_line_prints_one_row_per_mesh():
-    out = subprocess.run(
+    out = subprocess.run(  # the real command line; the rest run in forked processes (`fresh_process`)
         [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
          "--input-shape", "2x16", "--mesh", "2", "--mesh", "2x2"],
         capture_output=True, text=True, timeout=300,
@@ -232,7 +233,7 @@ def test_command_line_prints_one_row_per_mesh():
     assert "Time: h100-nvlink-ib400-fp32, compute at 50 TFLOP/s" in out.stdout
     # Tensor parallel through a shard_fn on a named (dp, tp) mesh: DTensor's collectives get a column.
     models = os.path.join(os.path.dirname(HERE), "examples", "plan_models.py")
-    out = subprocess.run(
+    out = fresh_process.run(
         [sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16", "--mesh", "2x2",
          "--mesh-dim-names", "dp,tp", "--shard-fn", models + ":tp_shard"],
         capture_output=True, text=True, timeout=300,
@@ -240,12 +241,12 @@ def test_command_line_prints_one_row_per_mesh():
     assert out.returncode == 0, out.stderr[-3000:]
     head, row = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     assert head.split("|")[15].strip() == "DTensor (TP) GiB/step" and float(row.split("|")[15]) > 0, out.stdout
-    bad = subprocess.run([sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16",
+    bad = fresh_process.run([sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16",
                           "--mesh", "2x2x2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "name them (--mesh-dim-names) and pass --shard-fn" in bad.stderr
     # --recommend: the usual settings at world 4 (FSDP: reshard True x {default bucket, 1 GiB, offload},
     # False x {device, offload}; fp32 and bf16), and the user's shard_fn as one more, ranked.
-    out = subprocess.run(
+    out = fresh_process.run(
         [sys.executable, "-m", "fully_shard.plan", models + ":llama_small", "--input-shape", "2x16", "--mesh", "2x2",
          "--mesh-dim-names", "dp,tp", "--shard-fn", models + ":tp_shard", "--recommend", "1"],
         capture_output=True, text=True, timeout=300,
@@ -280,7 +281,7 @@ def test_compute_rate_measured_on_this_machine():
     assert plan.estimate("h100-nvlink-ib400-fp32", flops=rate.flops).compute_s == pytest.approx(rate.seconds, rel=1e-12)
     with pytest.raises(ValueError, match="no tensor to count tokens"):
         measure_flops(lambda: Llama(LlamaConfig(**CFG)), {}, device="cpu")
-    out = subprocess.run(
+    out = fresh_process.run(
         [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
          "--input-shape", "2x16", "--mesh", "2", "--flops", "measure"],
         capture_output=True, text=True, timeout=300,
@@ -389,7 +390,7 @@ print(json.dumps({{"budget": budget, "options": [[list(o.mesh_shape), str(o.resh
     o.plan.peak_bytes, o.time.step_s, o.fits, o.bucket_bytes, o.offload, o.plan.host_peak_bytes, len(o.plan.collectives)]
     for o in options], "extra": [row(o) for o in more]}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    out = fresh_process.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     options, budget = result["options"], result["budget"]
@@ -478,7 +479,7 @@ def _measured_picture(path: str) -> dict:
 def test_plans_are_drawn_from_simulated_and_real_runs(ranks, tmp_path):
     for checks in ranks(2).run(_measured_picture, str(tmp_path / "real.png")):
         assert all(checks.values()), [k for k, v in checks.items() if not v]
-    out = subprocess.run(
+    out = fresh_process.run(
         [sys.executable, "-m", "fully_shard.plan", os.path.join(os.path.dirname(HERE), "examples", "plan_models.py") + ":llama_small",
          "--input-shape", "2x16", "--mesh", "4", "--png", str(tmp_path / "sim")],
         capture_output=True, text=True, timeout=300,
@@ -590,10 +591,10 @@ def test_bad_builders_and_huge_meshes_get_clear_errors():
         "no_module_xyz:x": "cannot import 'no_module_xyz'",
     }
     for builder, expected in cases.items():
-        out = subprocess.run([sys.executable, "-m", "fully_shard.plan", builder, "--input-shape", "2x16", "--mesh", "2"],
+        out = fresh_process.run([sys.executable, "-m", "fully_shard.plan", builder, "--input-shape", "2x16", "--mesh", "2"],
                              capture_output=True, text=True, timeout=300)
         assert out.returncode != 0 and expected in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-m", "fully_shard.plan", f"{models}:llama_small", "--input-shape", "2x16",
+    out = fresh_process.run([sys.executable, "-m", "fully_shard.plan", f"{models}:llama_small", "--input-shape", "2x16",
                           "--mesh", "1000000000"], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "1,000,000,000 ranks" in out.stderr and "Fix:" in out.stderr, out.stderr[-2000:]
     code = """
@@ -608,7 +609,7 @@ except BuilderError as e:
     assert "build_model() raised KeyError" in str(e) and "Fix" in str(e) and isinstance(e.__cause__, KeyError), e
     print("refused")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = fresh_process.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "refused", out.stderr[-2000:]
 
 
@@ -624,7 +625,7 @@ def test_what_a_newcomer_hit_with_the_planner(tmp_path):
         "def mean_loss(out):\n"
         "    return out.float().pow(2).mean()\n"
     )
-    run = lambda *a: subprocess.run([sys.executable, "-m", "fully_shard.plan", f"{models}:wide", "--mesh", "2", *a],  # noqa: E731
+    run = lambda *a: fresh_process.run([sys.executable, "-m", "fully_shard.plan", f"{models}:wide", "--mesh", "2", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=300)
     bad = run("--input-shape", "4x256")
     assert bad.returncode != 0 and "has no nn.Embedding, but the input is torch.int64" in bad.stderr, bad.stderr

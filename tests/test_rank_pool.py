@@ -100,3 +100,26 @@ def test_a_pool_holding_too_many_process_groups_is_rebuilt_between_tests(pool):
     fresh = pool.run(_make_groups, 0)
     assert [groups for _, groups in fresh] == [1, 1] and not pool.stale
     assert all(a != b for (a, _), (b, _) in zip(first, fresh))  # new processes
+
+
+def test_fresh_process_answers_as_subprocess_run_would():
+    """`fresh_process.run` (the planner tests' forked ``python -c`` / ``-m``), against the real
+    interpreter on the same commands: exit status, stdout and stderr."""
+    import subprocess
+
+    import fresh_process
+
+    cases = [
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
+        [sys.executable, "-c", "import sys; sys.exit('fully_shard.plan: refused')"],
+        [sys.executable, "-c", "print(__name__); import torch.distributed as d; print(d.is_initialized())"],
+        [sys.executable, "-m", "json.tool", "--no-such-flag"],
+    ]
+    for cmd in cases:
+        real = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        forked = fresh_process.run(cmd, capture_output=True, text=True, timeout=300)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr), cmd
+    crash = fresh_process.run([sys.executable, "-c", "raise KeyError('weights.bin')"])
+    assert crash.returncode == 1 and "Traceback" in crash.stderr and "KeyError: 'weights.bin'" in crash.stderr
+    with pytest.raises(ValueError, match="takes \\[sys.executable"):
+        fresh_process.run(["torchrun", "x.py"])
