@@ -241,7 +241,7 @@ def build(name: str, args: argparse.Namespace) -> Impl:
     if compiled.startswith("blocks"):  # in place, after sharding: the hooks stay outside each block's graph
         for block in blocks:
             block.compile(backend=args.compile_backend)
-    elif compiled.startswith(("model", "step")):  # ours: one graph, the collectives in it
+    elif compiled.startswith(("model", "step")):  # one graph (ours: the collectives in it; local: none)
         _, _, collectives = compiled.partition(":")  # +model:bucket: FSDPModule.compile(collectives=...)
         extra = {"collectives": collectives} if collectives else {}
         model.compile(backend=args.compile_backend, fullgraph=True, **extra)
