@@ -1499,6 +1499,48 @@ def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, h
         assert r["equal"] and r["graphs"] == (2 if how == "dict_after" else 1), r
 
 
+def _copy_compiled_alongside() -> dict:
+    """A deep copy of a sharded model compiled next to the original: each graph gathers its own
+    model's parameters. The traced entries name their group by a key (`traced._Entry`, one path
+    to it in a trace); a copy's entries key the copy's. The copy trains a step the
+    original does not, then both are compiled and called in turn."""
+    from fully_shard import fully_shard
+    from fully_shard.runtime import traced
+
+    _fresh_compiler()
+    x = torch.randn(4, 7, dtype=torch.float64)
+    model = make_mlp()
+    for block in list(model)[:3]:
+        fully_shard(block)
+    fully_shard(model)
+    model(x).sum().backward()
+    model.zero_grad()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    twin(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        eager = [model(x), twin(x)]
+        fns = [torch.compile(m, backend="aot_eager", fullgraph=True) for m in (model, twin)]
+        compiled = [fns[0](x), fns[1](x), fns[0](x)]
+    mine, its = (m[0][0].__dict__["_fsdp_traced_params"]["weight"] for m in (model, twin))
+    state = twin[0]._get_fsdp_state()
+    return {
+        "equal": [torch.equal(c, eager[i]) for c, i in zip(compiled, (0, 1, 0))],
+        "models_differ": not torch.equal(eager[0], eager[1]),
+        "twin_keyed": its.state is state and traced._BY_KEY[its.group_key]() is state.groups[0],
+        "keys_differ": mine.group_key != its.group_key,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_deep_copy_compiled_next_to_its_original_gathers_its_own_parameters(ranks, world_size):
+    for r in ranks(world_size).run(_copy_compiled_alongside):
+        assert r["equal"] == [True, True, True] and r["models_differ"], r
+        assert r["twin_keyed"] and r["keys_differ"], r
+
+
 def _two_tensor_gathers() -> dict:
     """A frozen Linear (weight and bias: a gather of exactly two tensors, none requiring grad) and
     a compiled call under ``torch.no_grad()``: dynamo's path for an autograd function whose inputs

@@ -42,6 +42,7 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -53,7 +54,7 @@ from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
 from . import opaque
-from .lifecycle import IterationPhase, TrainingPhase
+from .lifecycle import IterationPhase, ShardedState, TrainingPhase
 from .registry import managed_by_id
 from .state import _cast_floats, fsdp_states
 
@@ -110,23 +111,66 @@ def traced_param(module: nn.Module, name: str) -> Any:
     route but runs eagerly: `_set_functional`), its group gathered by `gather_group` (once per
     forward of the module whose forward reads it); otherwise the registered parameter."""
     if torch.compiler.is_compiling() or module.__dict__.get("_fsdp_functional"):
-        owner = module.__dict__.get("_fsdp_traced_params", {}).get(name)
-        if owner is not None and traced_here(owner[1]):
-            fp, state = owner
+        entry = module.__dict__.get("_fsdp_traced_params", {}).get(name)
+        if entry is not None and traced_here(entry.state):  # (per block: no key read, one graph
+            state, key = entry.state, entry.group_key  # for every block alike)
             gathered = state._traced
-            if gathered is None:  # made inside the graph: a dict from before it, written here, would
-                gathered = state._traced = {}  # make every gathered parameter a graph output
-            if id(fp) not in gathered:
-                if gathered.get("gathering") is fp.group:  # an extension's pre hook reading the
+            if gathered is None:  # made inside the graph: a dict from before it, written here,
+                gathered = state._traced = {}  # would make every gathered parameter a graph output
+            if key not in gathered:
+                if gathered.get("gathering") == key:  # an extension's pre hook reading the
                     return module._parameters[name]  # module: the sharded parameter, as in eager
-                group, setting = fp.group, state.settings.reshard_after_forward
+                group, setting = _BY_KEY[key](), state.settings.reshard_after_forward  # (by key: `_Entry`)
                 reshard = setting if type(setting) is int else setting is not False
-                gathered["gathering"] = group
-                for p, full in zip(group.params, gather_group(group, reshard)):
-                    gathered[id(p)] = full
+                gathered["gathering"] = key
+                gathered[key] = gather_group(group, reshard)
                 gathered["gathering"] = None
-            return gathered[id(fp)]
+            return gathered[key][entry.index]
     return module._parameters[name]
+
+
+# A trace reaching one object by two paths (a group through its state and through each of its
+# parameters' entries) makes dynamo guard that the two are the same object, in one Python function
+# built and run for every such pair. Entries therefore name their group by a key, and
+# `traced_param` reads it from here: one path (a plain dict of weak references: dynamo reads no
+# WeakValueDictionary, and guards only on the keys a trace reads). Changed only by `_key`
+# (eagerly): dynamo iterates the dict when it wraps it, and a weak reference's callback could run
+# then (a garbage collection).
+_BY_KEY: dict[int, "weakref.ref[Any]"] = {}
+_prune_at = [64]  # `_key` drops dead references when the dict grows past this
+
+
+def _key(obj: Any) -> int:
+    key = id(obj)
+    ref = _BY_KEY.get(key)
+    if ref is None or ref() is not obj:
+        _BY_KEY[key] = weakref.ref(obj)
+        if len(_BY_KEY) > _prune_at[0]:
+            for dead in [k for k, r in _BY_KEY.items() if r() is None]:
+                del _BY_KEY[dead]
+            _prune_at[0] = 2 * len(_BY_KEY) + 64
+    return key
+
+
+class _Entry:
+    """A managed parameter's entry in its module's ``_fsdp_traced_params``: the state whose
+    forward gathers it, its group and its index there. A trace reads the group only by its key
+    (`_BY_KEY`); the state it reads directly, to learn first whether an eager step runs around
+    it (per-block compile), where a key, a constant to dynamo, would make a graph per block. A
+    copy (``copy.deepcopy``, pickling) keys its own copies."""
+
+    __slots__ = ("state", "group", "index", "group_key")
+
+    def __init__(self, state: Any, group: Any, index: int) -> None:
+        self.state, self.group, self.index = state, group, index
+        self.group_key = _key(group)
+        _key(state)  # (`refuse_untraceable` finds it by its id)
+
+    def __getstate__(self) -> tuple[Any, Any, int]:
+        return self.state, self.group, self.index
+
+    def __setstate__(self, held: tuple[Any, Any, int]) -> None:
+        self.__init__(*held)  # type: ignore[misc]
 
 
 @functools.cache
@@ -144,10 +188,12 @@ def traced_class(cls: type, names: tuple[str, ...]) -> type:
 def install(places: list[tuple[Any, Any]], state: Any) -> None:
     """Give every module holding a managed parameter the traced properties: ``places`` are
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
-    by_module: dict[int, tuple[nn.Module, dict[str, tuple[Any, Any]]]] = {}
+    by_module: dict[int, tuple[nn.Module, dict[str, _Entry]]] = {}
     for fp, place in places:
-        by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = (fp, state)
-    state._traced = None  # id(FSDPParam) -> its gathered parameter, in one forward (`traced_param`)
+        entry = _Entry(state, fp.group, next(i for i, p in enumerate(fp.group.params) if p is fp))
+        by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = entry
+    state._traced = None  # a group's key -> its gathered parameters, in one forward (`traced_param`)
+    _key(state)  # (`refuse_untraceable` finds it by its id; a copy's entries key the copy)
     modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
         if not any(m is module for m in modules):
@@ -176,23 +222,11 @@ def refuse_untraceable_tree(state: Any) -> None:
     state._tree_traceable = True
 
 
-def _unbound_instance_methods(fp: Any) -> bool:
+def _keep_instance_methods(fp: Any) -> bool:
     """Whether the parameter's shard has extension methods set on the instance that are not both
     bound to it; those that are are kept as ``fp.traced_methods`` (`extension.bound_functions`) for
     `_extension_calls`. Read outside any trace: a traced tensor's ``__dict__`` is out of dynamo's
     reach."""
-    if torch.compiler.is_compiling():
-        return _unbound_instance_methods_of(id(fp))  # (torch 2.11 passes only constants to such calls)
-    return _keep_instance_methods(fp)
-
-
-@torch.compiler.assume_constant_result
-def _unbound_instance_methods_of(key: int) -> bool:
-    fp: Any = managed_by_id(key)
-    return fp is not None and _keep_instance_methods(fp)
-
-
-def _keep_instance_methods(fp: Any) -> bool:
     local = fp.local_shard
     set_on_instance = instance_methods(local)
     kept = bound_functions(local) if set_on_instance else None
@@ -204,13 +238,31 @@ def _keep_instance_methods(fp: Any) -> bool:
 def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     """Raise, while tracing, for what the traced path does not do: all-gather extension methods
     set on a tensor instance but not bound to it (dynamo sees only a traced tensor's class, and
-    methods bound to the shard are called on the traced one), naming the fix."""
-    if name is None:  # before lazy init (a compiled step's first trace) no state knows its path yet
-        name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
+    methods bound to the shard are called on the traced one), naming the fix. In a trace, read
+    outside it (`_untraceable_of`): the trace reads only the state's id, not its parameters (a
+    second path to each, see `_BY_KEY`)."""
+    if torch.compiler.is_compiling():
+        message = _untraceable_of(id(state))  # (torch 2.11 passes only constants to such calls)
+    else:
+        message = _untraceable(state, name)
+    if message:
+        raise RuntimeError(message)
+
+
+@torch.compiler.assume_constant_result
+def _untraceable_of(key: int) -> str:
+    ref = _BY_KEY.get(key)
+    state = ref() if ref is not None else None
+    return _untraceable(state, None) if state is not None else ""  # (unkeyed: it manages nothing)
+
+
+def _untraceable(state: Any, name: Optional[str]) -> str:
     for g in state.groups:
         for fp in g.params:
-            if _unbound_instance_methods(fp):
-                raise RuntimeError(
+            if _keep_instance_methods(fp):
+                if name is None:  # before lazy init (a compiled step's first trace) no state knows its path
+                    name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
+                return (
                     f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the "
                     f"all-gather extension methods set on the tensor instance of {fp.path} are not both "
                     "bound to it: the traced path calls such methods on the traced shard, so it needs their "
@@ -220,6 +272,7 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
                     "in model.layers: block.compile()), where the eager engine drives the collectives "
                     "(docs/compile.md)."
                 )
+    return ""
 
 
 # -- the collectives
@@ -234,7 +287,7 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
     params = group.params
     post_forward = group.post_forward if type(reshard) is int and group.info.world_size > 1 else None
     _take_over_assigned(id(params[0]))
-    _guard_places(params)
+    _guard_places(group)
     plan = _Plan(params, group, post_forward)
     shards = [fp.sharded_param for fp in params]
     # The gather's further inputs, each named in ``slots`` by (what it is, whose: the parameter's
@@ -304,16 +357,17 @@ def _take_over_assigned(key: int) -> bool:
     return True
 
 
-def _guard_places(params: list[Any]) -> None:
-    """Compare what each place of ``params`` holds with the parameter the engine put there (the
+def _guard_places(group: Any) -> None:
+    """Compare what each place of ``group``'s parameters holds with the parameter the engine put there (the
     sharded one, or the unsharded one while the group is unsharded: ``unshard()``): dynamo guards on
     the answers, so a parameter written there later without ``module.<name> = ...``
     (``module._parameters[name] = p``) fails the guard and retraces, and the retrace takes it over
     (`_take_over_assigned`); so does an unshard or reshard between compiled calls (a graph each)."""
-    for fp in params:
-        held = fp.unsharded_param if fp.is_unsharded else fp.sharded_param
+    unsharded = group.sharded_state is ShardedState.UNSHARDED  # (`FSDPParam.is_unsharded`, read once)
+    for fp in group.params:
+        held = fp.unsharded_param if unsharded else fp.sharded_param
         for place in fp.places:
-            _ = place.get() is held  # (the answer is not needed here, only dynamo's guard on it)
+            _ = id(place.get()) == id(held)  # (no answer needed: dynamo guards on both ids, in C++)
 
 
 def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -414,7 +468,7 @@ class _Plan:
         self.requires_grad = [fp.requires_grad for fp in params]
         self.sync = s.requires_gradient_sync
         # per parameter, its all-gather extension's hooks (a tensor subclass's, or a codec's)
-        self.extensions = [_extension_calls(fp) for fp in params]
+        self.extensions = [_extension_calls(fp, s) for fp in params]
         self.extended = any(e is not None for e in self.extensions)
         self.defer = self.sync and self.replicate_group is not None and not s.requires_all_reduce
         # the user's communication code, run by opaque ops (`opaque`) that look the group up by key
@@ -424,11 +478,12 @@ class _Plan:
         self.custom_reduce_scatter = key if s.custom_reduce_scatter is not None else None
 
 
-def _extension_calls(fp: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
+def _extension_calls(fp: Any, settings: Any) -> Optional[tuple[Any, tuple[Any, ...]]]:
     """A parameter's all-gather extension (`extension.class_hooks`: its local tensor's class's
     ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, else its codec) and the arguments after the
     shard its pre hook takes (as eager's `FSDPParam.extension_inputs`), or None."""
-    hooks = class_hooks(fp.local_shard, fp.codec, lambda: fp.path, fp.traced_methods)
+    codec = settings.codec_for(fp.fqn)  # (`FSDPParam.codec`, from its group's settings: ``settings``)
+    hooks = class_hooks(fp.local_shard, codec, lambda: fp.path, fp.traced_methods)
     if hooks is None:
         return None
     fp.refuse_extension_off_dim0()
