@@ -24,11 +24,16 @@ from rank_pool import PRELOAD
 _TEST_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(cmd: list[str], timeout: float = 300, **_ignored: object) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 300, capture_output: bool = True, text: bool = True
+) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for ``cmd`` of the
-    form ``[sys.executable, "-c", code]`` or ``[sys.executable, "-m", module, *args]``."""
+    form ``[sys.executable, "-c", code]`` or ``[sys.executable, "-m", module, *args]``. The child
+    has the forkserver's working directory and environment: no ``cwd`` / ``env`` to take."""
     if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] not in ("-c", "-m"):
         raise ValueError(f"fresh_process.run takes [sys.executable, '-c' | '-m', ...], not {cmd[:3]}")
+    if not (capture_output and text):
+        raise ValueError("fresh_process.run always captures text output (capture_output=True, text=True)")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     parent, child = ctx.Pipe(duplex=False)

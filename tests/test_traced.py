@@ -1428,14 +1428,14 @@ def _assigned(how: str) -> dict:
         if how in ("copy", "comm"):
             model = copy.deepcopy(model)
         fn = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
-        if how == "dict_after":
+        if how in ("dict_after", "attr_after"):
             with torch.no_grad():
                 fn(x)
         block = model[0][0] if isinstance(model[0], nn.Sequential) else model[0]
         zeros = nn.Parameter(torch.zeros_like(block.weight.detach()))
         if how in ("dict", "dict_after"):
             block._parameters["weight"] = zeros
-        elif how == "copy":
+        elif how in ("copy", "attr_after"):
             block.weight = zeros
         with torch.no_grad():
             outs[mode] = fn(x)
@@ -1493,10 +1493,10 @@ def test_a_compiled_call_while_unsharded_gathers_from_the_shards(ranks, how, wor
 
 
 @pytest.mark.parametrize("how,world_size", [("copy", 1), ("copy", 2), ("dict", 2), ("comm", 2), ("copy", 4),
-                                              ("dict_after", 1), ("dict_after", 2), ("dict_after", 4)])
+                                              ("dict_after", 1), ("dict_after", 2), ("dict_after", 4), ("attr_after", 2)])
 def test_a_parameter_replaced_before_the_compile_is_what_the_graph_uses(ranks, how, world_size):
     for r in ranks(world_size).run(_assigned, how):
-        assert r["equal"] and r["graphs"] == (2 if how == "dict_after" else 1), r
+        assert r["equal"] and r["graphs"] == (2 if how.endswith("_after") else 1), r
 
 
 def _copy_compiled_alongside() -> dict:

@@ -189,8 +189,10 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
     """Give every module holding a managed parameter the traced properties: ``places`` are
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
     by_module: dict[int, tuple[nn.Module, dict[str, _Entry]]] = {}
+    groups = {id(fp.group): fp.group for fp, _ in places}
+    index = {id(p): i for g in groups.values() for i, p in enumerate(g.params)}  # in its group
     for fp, place in places:
-        entry = _Entry(state, fp.group, next(i for i, p in enumerate(fp.group.params) if p is fp))
+        entry = _Entry(state, fp.group, index[id(fp)])
         by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = entry
     state._traced = None  # a group's key -> its gathered parameters, in one forward (`traced_param`)
     _key(state)  # (`refuse_untraceable` finds it by its id; a copy's entries key the copy)
