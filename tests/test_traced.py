@@ -351,6 +351,57 @@ def test_hsdp_all_reduce_deferred_compiled(ranks, world_size):
             assert r["graphs"] == 3 and r["bw_ar_rs"] == [(0, rs), (3, rs), (3, rs)], r
 
 
+def _refused_then_gathered() -> dict:
+    """A forward that took the traced route but runs eagerly (`traced._set_functional`): HSDP with
+    the all-reduce deferred, a micro-batch's accumulated gradient pending on the first parameter
+    and the last one's partial leaf gone: the gather refuses before it takes the pending gradient,
+    and leaves no mark behind (the next read gathered the group, not the sharded parameter)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).double()
+    full_weight = model[0].weight.detach().clone()
+    fully_shard(model, mesh=mesh)
+    params = model._get_fsdp_state().own[0].params
+    model.set_requires_gradient_sync(False)  # the unsharded parameters a compiled micro-batch sums into
+    pending = torch.ones(8, 8, dtype=torch.float64)
+    params[0].unsharded_param.grad = pending  # as that micro-batch leaves it
+    model.set_requires_gradient_sync(True)
+    model.set_requires_all_reduce(False)
+    params[-1]._partial = None  # as a dtype change since would leave it
+    model[0].__dict__["_fsdp_functional"] = True
+    try:
+        try:
+            model[0].weight
+            message = ""
+        except RuntimeError as e:
+            message = str(e)
+        kept = params[0].unsharded_param.grad is pending
+        model.set_requires_all_reduce(False)  # the fix the message names
+        weight = model[0].weight
+    finally:
+        model[0].__dict__["_fsdp_functional"] = False
+    return {
+        "refused": "1.bias has no place for its deferred HSDP sums" in message
+        and "set_requires_all_reduce(False) again" in message,
+        "pending_kept": kept,
+        "gathered": not isinstance(weight, DTensor) and torch.equal(weight, full_weight),
+        "pending_taken_then": params[0].unsharded_param.grad is None,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_refused_gather_takes_nothing_and_leaves_no_mark(ranks, world_size):
+    for r in ranks(world_size).run(_refused_then_gathered):
+        assert r == {"refused": True, "pending_kept": True, "gathered": True, "pending_taken_then": True}, r
+
+
 def _offloaded(device_type: str = "cpu", backend: str = "aot_eager") -> dict:
     """``CPUOffloadPolicy`` (shards, gradients and optimizer state on the host), the whole model
     compiled against eager with the same policy: 2 steps of a micro-batch without gradient sync
@@ -1505,7 +1556,7 @@ def _copy_compiled_alongside() -> dict:
     to it in a trace); a copy's entries key the copy's. The copy trains a step the
     original does not, then both are compiled and called in turn."""
     from fully_shard import fully_shard
-    from fully_shard.runtime import traced
+    from fully_shard.runtime import registry
 
     _fresh_compiler()
     x = torch.randn(4, 7, dtype=torch.float64)
@@ -1529,7 +1580,7 @@ def _copy_compiled_alongside() -> dict:
     return {
         "equal": [torch.equal(c, eager[i]) for c, i in zip(compiled, (0, 1, 0))],
         "models_differ": not torch.equal(eager[0], eager[1]),
-        "twin_keyed": its.state is state and traced._BY_KEY[its.group_key]() is state.groups[0],
+        "twin_keyed": its.state is state and registry.BY_KEY[its.group_key]() is state.groups[0],
         "keys_differ": mine.group_key != its.group_key,
     }
 

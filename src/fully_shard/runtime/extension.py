@@ -120,22 +120,21 @@ def _arity(pre: Callable[..., Any]) -> int:
 
 
 def _checked(pre: Any, post: Any, local: torch.Tensor, fqn: str | Callable[[], str], arity: int) -> Hooks:
+    if pre is not None and post is not None and arity in (1, 5):
+        return Hooks(pre, post, arity == 5, type(local))
+    fqn = fqn if isinstance(fqn, str) else fqn()  # (the path, read only for the message)
     if pre is None or post is None:
-        fqn = fqn if isinstance(fqn, str) else fqn()
         raise TypeError(
             f"parameter {fqn}: its local tensor ({type(local).__name__}) defines {_PRE if pre else _POST} "
             f"but not {_POST if pre else _PRE}. An all-gather extension needs both: one chooses what is "
             "gathered, the other rebuilds the unsharded parameter from it. Fix: define the missing method "
             "(PyTorch's signatures)."
         )
-    if arity not in (1, 5):
-        fqn = fqn if isinstance(fqn, str) else fqn()
-        raise TypeError(
-            f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
-            f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, "
-            "mp_policy). Fix: use one of these two signatures."
-        )
-    return Hooks(pre, post, arity == 5, type(local))
+    raise TypeError(
+        f"parameter {fqn}: {type(local).__name__}.{_PRE}{inspect.signature(pre)} has {arity} parameters; "
+        f"fully_shard calls it as {_PRE}(mesh) or {_PRE}(mesh, outer_size, outer_stride, module, "
+        "mp_policy). Fix: use one of these two signatures."
+    )
 
 
 @dataclass(eq=False)

@@ -42,6 +42,16 @@ _BY_ID: "weakref.WeakValueDictionary[int, Managed]" = weakref.WeakValueDictionar
 _PLACES: "weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref]]" = weakref.WeakKeyDictionary()
 _hook: list[Any] = []  # the registration hook's handle, once installed
 
+# What compiled code reads by key (`key_of`): a trace reaching one object by two paths (a group
+# through its state and through each of its parameters' entries, runtime/traced.py) makes dynamo
+# guard that the two are the same object, in one Python function built and run for every such
+# pair; so a traced parameter's entry names its group by a key, read from here: one path. A plain
+# dict of weak references (dynamo reads no WeakValueDictionary, and guards only on the keys a trace
+# reads), changed only by `key_of`, eagerly: dynamo iterates the dict when it wraps it, and a weak
+# reference's callback could run then (a garbage collection).
+BY_KEY: dict[int, "weakref.ref[Any]"] = {}
+_prune_at = [64]  # `key_of` drops dead references when the dict grows past this
+
 
 def register_places(managed: Managed, places: list[Any]) -> None:
     """Tell ``managed`` when something else is registered at one of ``places`` (module, name)."""
@@ -67,6 +77,19 @@ def register_sharded(managed: Managed) -> None:
     its ``id`` (`managed_by_id`: what compiled graphs look their groups up by)."""
     _SHARDED[id(managed.sharded_param)] = managed
     _BY_ID[id(managed)] = managed
+
+
+def key_of(obj: Any) -> int:
+    """``obj``'s key in `BY_KEY` (its id), recorded there."""
+    key = id(obj)
+    ref = BY_KEY.get(key)
+    if ref is None or ref() is not obj:
+        BY_KEY[key] = weakref.ref(obj)
+        if len(BY_KEY) > _prune_at[0]:
+            for dead in [k for k, r in BY_KEY.items() if r() is None]:
+                del BY_KEY[dead]
+            _prune_at[0] = 2 * len(BY_KEY) + 64
+    return key
 
 
 def managed_by_id(key: int) -> Optional[Managed]:

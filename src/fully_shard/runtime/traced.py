@@ -42,7 +42,6 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -55,7 +54,7 @@ from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
 from . import opaque
 from .lifecycle import IterationPhase, ShardedState, TrainingPhase
-from .registry import managed_by_id
+from .registry import BY_KEY, key_of, managed_by_id
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
@@ -120,51 +119,30 @@ def traced_param(module: nn.Module, name: str) -> Any:
             if key not in gathered:
                 if gathered.get("gathering") == key:  # an extension's pre hook reading the
                     return module._parameters[name]  # module: the sharded parameter, as in eager
-                group, setting = _BY_KEY[key](), state.settings.reshard_after_forward  # (by key: `_Entry`)
+                group, setting = BY_KEY[key](), state.settings.reshard_after_forward  # (by key: `_Entry`)
                 reshard = setting if type(setting) is int else setting is not False
                 gathered["gathering"] = key
-                gathered[key] = gather_group(group, reshard)
-                gathered["gathering"] = None
+                try:  # (a refusal in a forward run eagerly must not leave the mark: the next forward
+                    gathered[key] = gather_group(group, reshard)  # would read the sharded parameter)
+                finally:
+                    gathered["gathering"] = None
             return gathered[key][entry.index]
     return module._parameters[name]
-
-
-# A trace reaching one object by two paths (a group through its state and through each of its
-# parameters' entries) makes dynamo guard that the two are the same object, in one Python function
-# built and run for every such pair. Entries therefore name their group by a key, and
-# `traced_param` reads it from here: one path (a plain dict of weak references: dynamo reads no
-# WeakValueDictionary, and guards only on the keys a trace reads). Changed only by `_key`
-# (eagerly): dynamo iterates the dict when it wraps it, and a weak reference's callback could run
-# then (a garbage collection).
-_BY_KEY: dict[int, "weakref.ref[Any]"] = {}
-_prune_at = [64]  # `_key` drops dead references when the dict grows past this
-
-
-def _key(obj: Any) -> int:
-    key = id(obj)
-    ref = _BY_KEY.get(key)
-    if ref is None or ref() is not obj:
-        _BY_KEY[key] = weakref.ref(obj)
-        if len(_BY_KEY) > _prune_at[0]:
-            for dead in [k for k, r in _BY_KEY.items() if r() is None]:
-                del _BY_KEY[dead]
-            _prune_at[0] = 2 * len(_BY_KEY) + 64
-    return key
 
 
 class _Entry:
     """A managed parameter's entry in its module's ``_fsdp_traced_params``: the state whose
     forward gathers it, its group and its index there. A trace reads the group only by its key
-    (`_BY_KEY`); the state it reads directly, to learn first whether an eager step runs around
-    it (per-block compile), where a key, a constant to dynamo, would make a graph per block. A
-    copy (``copy.deepcopy``, pickling) keys its own copies."""
+    (`registry.BY_KEY`: one path to it); the state it reads directly, to learn first whether an
+    eager step runs around it (per-block compile), where a key, a constant to dynamo, would make a
+    graph per block. A copy (``copy.deepcopy``, pickling) keys its own copies."""
 
     __slots__ = ("state", "group", "index", "group_key")
 
     def __init__(self, state: Any, group: Any, index: int) -> None:
         self.state, self.group, self.index = state, group, index
-        self.group_key = _key(group)
-        _key(state)  # (`refuse_untraceable` finds it by its id)
+        self.group_key = key_of(group)
+        key_of(state)  # (`refuse_untraceable` finds it by its id)
 
     def __getstate__(self) -> tuple[Any, Any, int]:
         return self.state, self.group, self.index
@@ -195,7 +173,6 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
         entry = _Entry(state, fp.group, index[id(fp)])
         by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = entry
     state._traced = None  # a group's key -> its gathered parameters, in one forward (`traced_param`)
-    _key(state)  # (`refuse_untraceable` finds it by its id; a copy's entries key the copy)
     modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
         if not any(m is module for m in modules):
@@ -242,7 +219,7 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     set on a tensor instance but not bound to it (dynamo sees only a traced tensor's class, and
     methods bound to the shard are called on the traced one), naming the fix. In a trace, read
     outside it (`_untraceable_of`): the trace reads only the state's id, not its parameters (a
-    second path to each, see `_BY_KEY`)."""
+    second path to each, see `registry.BY_KEY`)."""
     if torch.compiler.is_compiling():
         message = _untraceable_of(id(state))  # (torch 2.11 passes only constants to such calls)
     else:
@@ -253,7 +230,7 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
 
 @torch.compiler.assume_constant_result
 def _untraceable_of(key: int) -> str:
-    ref = _BY_KEY.get(key)
+    ref = BY_KEY.get(key)
     state = ref() if ref is not None else None
     return _untraceable(state, None) if state is not None else ""  # (unkeyed: it manages nothing)
 
