@@ -58,14 +58,15 @@ def _count(gm, op: str) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op)
 
 
-def _shard(model, reshard, mp=None, mesh=None):
+def _shard(model, reshard, mp=None, mesh=None, root=None):
+    """Each layer with ``reshard``, the root with ``root`` (None: the default, which keeps)."""
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh or cpu_mesh()
     mp = mp or MixedPrecisionPolicy()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root)
     return model
 
 
@@ -87,7 +88,7 @@ def _full(model) -> dict:
 
 
 def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool = False, form: str = "method",
-                     custom_all_gather: bool = False) -> dict:
+                     custom_all_gather: bool = False, root_reshard=None) -> dict:
     from torch._dynamo.utils import counters
 
     from fully_shard import MixedPrecisionPolicy
@@ -105,8 +106,8 @@ def _traced_vs_eager(backend: str, reshard: bool, bf16: bool = False, hsdp: bool
     if bf16:
         eager = eager.float()
     compiled = copy.deepcopy(eager)
-    _shard(eager, reshard, mp, mesh)
-    _shard(compiled, reshard, mp, mesh)
+    _shard(eager, reshard, mp, mesh, root_reshard)
+    _shard(compiled, reshard, mp, mesh, root_reshard)
     comms = []
     if custom_all_gather:  # the blocks' (the root's own stays the default)
         from test_comm_controls import CountingAllGather
@@ -180,19 +181,22 @@ def test_whole_model_compiles_as_one_graph_and_equals_eager(ranks, world_size):
             assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_the_graphs_hold_one_all_gather_and_one_reduce_scatter_per_group(ranks, reshard):
+@pytest.mark.parametrize("reshard,root", [(True, None), (True, True), (False, None)])
+def test_the_graphs_hold_one_all_gather_and_one_reduce_scatter_per_group(ranks, reshard, root):
     """3 groups (2 blocks and the root, whose tied embedding is one parameter): 3 all-gathers in
     the forward graph, 3 reduce-scatters in the backward one; resharding gathers again in the
-    backward graph and keeps no gathered parameter for it."""
-    for r in ranks(2).run(_traced_vs_eager, "capture", reshard):
-        print(f"reshard={reshard}: {r}")
+    backward graph and keeps no gathered parameter for it. The root's default (None) keeps its
+    parameters, as eager's: its tied weight is saved for backward, not gathered again."""
+    for r in ranks(2).run(_traced_vs_eager, "capture", reshard, False, False, "method", False, root):
+        print(f"reshard={reshard} root={root}: {r}")
         assert (r["fw_graphs"], r["bw_graphs"]) == (1, 1), r
         assert (r["fw_ag"], r["fw_rs"], r["bw_rs"], r["bw_ar"]) == (3, 0, 3, 0), r
-        if reshard:  # the root's None means True when traced: every group gathers again
+        if root:  # every group gathers again
             assert r["bw_ag"] == 3 and r["saved_full_params"] == 0, r
-        else:  # the blocks keep theirs; the root's default (None) still reshards
-            assert r["bw_ag"] == 1 and r["saved_full_params"] > 0, r
+        elif reshard:  # the blocks gather again; the root keeps its one 2-D parameter
+            assert r["bw_ag"] == 2 and r["saved_full_params"] == 1, r
+        else:  # nothing gathers again
+            assert r["bw_ag"] == 0 and r["saved_full_params"] > 1, r
         assert r["losses_equal"] and r["params_equal"], r
 
 
@@ -660,10 +664,10 @@ def test_tensor_subclass_extension_compiled_equals_eager(ranks, kind, world_size
         print(f"{kind} world {world_size} reshard={reshard}: {r}")
         # graphs: with sync, without, with sync again once an eager micro-batch gave the root its context
         assert r["graphs"] == 3 and r["fw_ag"] == (3 if world_size > 1 else 0), r
-        # backward regathers the resharded groups whose weights it needs: the root (its default
-        # reshards) and, resharding, the second block; the first block's weight only meets the input,
-        # which needs no gradient, so its gradient needs no weight.
-        regathered = 2 if reshard else 1
+        # backward regathers the resharded groups whose weights it needs: resharding, the second
+        # block (the root's default keeps its parameters); the first block's weight only meets the
+        # input, which needs no gradient, so its gradient needs no weight.
+        regathered = 1 if reshard else 0
         assert r["bw_rs"] == (3 if world_size > 1 else 0) and r["bw_ag"] == (regathered if world_size > 1 else 0), r
         if world_size > 1:
             assert r["row_dtypes"] == ["torch.uint8"] and r["row_bytes"] == r["expected_row_bytes"], r
@@ -742,7 +746,8 @@ def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
         # again once an eager micro-batch gave the root its context)
         assert (r["graphs"], r["bw_graphs"]) == ((2, 2) if mode == "compiled" else (3, 3)), r
         if world_size > 1:  # (world 1 has no collectives to count)
-            assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [3], r  # regathers, reduces nothing
+            # the blocks regather (the root keeps its parameters), nothing is reduced
+            assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [2], r
 
 
 def _compiled_optimizer() -> dict:
@@ -829,14 +834,15 @@ def _inductor_collectives(collectives: str) -> dict:
     "(the plain model, no fully_shard, fails the same: 'expected scalar type Double but found Float')",
 )
 @pytest.mark.parametrize("collectives, all_gathers, reduce_scatters", [
-    ("as_traced", [3, 3], [0, 3]), ("bucket", [2, 3], [0, 2]), ("bucket_all", [1, 1], [0, 1])])
+    ("as_traced", [3, 2], [0, 3]), ("bucket", [2, 2], [0, 2]), ("bucket_all", [1, 1], [0, 1])])
 def test_inductor_bucketing_of_the_graph_collectives(ranks, collectives, all_gathers, reduce_scatters):
     """Counted in the forward graph's and the backward graph's generated code. As traced: 3
-    all-gathers in the forward graph, 3 regathers in the backward graph, 3 reduce-scatters.
+    all-gathers in the forward graph, 2 regathers in the backward graph (the blocks'; the root's
+    default keeps its parameters), 3 reduce-scatters.
     ``collectives="bucket_all"`` (Inductor's FX bucketing, uncapped): one of each per graph.
     ``"bucket"`` caps a bucket at twice the largest group's bytes and buckets the forward's
     all-gathers and the reduce-scatters, not the backward's regathers (which would hold two groups'
-    parameters through the first one's backward): 2 all-gathers forward, 3 backward, 2
+    parameters through the first one's backward): 2 all-gathers forward, 2 backward, 2
     reduce-scatters. Each collective is waited on once (until 2026-11-28 the traced path waited
     twice, and Inductor copied each gathered bucket to wait on the copy). Each compiles as one
     graph (no recompile over the steps), and training equals eager within float64 rounding."""
@@ -925,18 +931,19 @@ def _users_communication(world_size: int) -> dict:
 def test_all_reduce_hook_and_custom_collectives_run_in_the_compiled_graph(ranks, world_size):
     """torchft's way in (``set_all_reduce_hook``) and PyTorch's comm interface
     (``set_custom_all_gather`` / ``set_custom_reduce_scatter``) in a whole-model compile: opaque ops
-    in the graphs, called at run time once per group per pass (3 groups, all resharding: 3
-    all-gathers in forward, 3 again in backward, 3 reduce-scatters and 3 hook calls per step),
-    equal to eager with the same code. At world 1 nothing is communicated (as eager), the hook runs."""
+    in the graphs, called at run time once per group per pass (3 groups, the blocks resharding and
+    the root keeping its parameters, as eager: 3 all-gathers in forward, 2 again in backward, 3
+    reduce-scatters and 3 hook calls per step), equal to eager with the same code. At world 1 nothing is communicated (as eager), the hook runs."""
     for r in ranks(world_size).run(_users_communication, world_size):
         print(f"world {world_size}: {r}")
         assert r["graphs"] == 1, r  # fullgraph, no recompile over 3 steps
         sent = world_size > 1
-        assert r["fw_ops"] == [3 * sent, 0, 0, 0] and r["bw_ops"] == [3 * sent, 3 * sent, 0, 0], r
+        assert r["fw_ops"] == [3 * sent, 0, 0, 0] and r["bw_ops"] == [2 * sent, 3 * sent, 0, 0], r
         assert r["bw_hooks"] == 3, r
         c, e = r["compiled"], r["eager"]
-        assert (c["hook"], c["all_gathers"], c["reduce_scatters"]) == (9, 18 * sent, 9 * sent), r
-        assert (e["hook"], e["all_gathers"], e["reduce_scatters"]) == (9, 15 * sent, 9 * sent), r  # root kept
+        # the root's parameters kept from forward to backward in both
+        assert (c["hook"], c["all_gathers"], c["reduce_scatters"]) == (9, 15 * sent, 9 * sent), r
+        assert (e["hook"], e["all_gathers"], e["reduce_scatters"]) == (9, 15 * sent, 9 * sent), r
         if world_size <= 2:
             assert c["losses"] == e["losses"] and r["params_equal"], r
         else:
@@ -1397,8 +1404,8 @@ def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
     custom all-gather (``custom``), the first stage is eager's forward gather: the whole group
     through the custom comm (once per block per forward, as eager), its rows for the pair kept."""
     if form == "custom":
-        for r in ranks(4).run(_traced_vs_eager, "capture", 2, False, False, "method", True):
-            print(f"reshard=2, custom all-gather: {r}")
+        for r in ranks(4).run(_traced_vs_eager, "capture", 2, False, False, "method", True, True):
+            print(f"reshard=2, custom all-gather, the root resharding: {r}")
             assert (r["fw_graphs"], r["bw_graphs"], r["graphs"]) == (1, 1, 1), r
             # forward: per block the custom gather (whole group) then the pair's; the root's own
             assert (r["fw_custom"], r["fw_ag"], r["bw_custom"], r["bw_ag"]) == (2, 3, 0, 3), r
@@ -1414,10 +1421,10 @@ def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
     for r in ranks(4).run(_traced_vs_eager, "capture", 2):
         print(f"reshard=2: {r}")
         assert (r["fw_graphs"], r["bw_graphs"]) == (1, 1), r
-        # 2 blocks x 2 stages + the root's 1 in forward; backward: a pair's gather per block, the
-        # root's whole one (its None means True when traced)
-        assert (r["fw_ag"], r["bw_ag"], r["bw_rs"], r["saved_full_params"]) == (5, 3, 3, 0), r
-        assert r["bw_ag_sizes"] == [2, 2, 4], r  # the blocks' within a pair, the root's over all 4
+        # 2 blocks x 2 stages + the root's 1 in forward; backward: a pair's gather per block (the
+        # root's default keeps its parameters: its tied weight saved, not gathered again)
+        assert (r["fw_ag"], r["bw_ag"], r["bw_rs"], r["saved_full_params"]) == (5, 2, 3, 1), r
+        assert r["bw_ag_sizes"] == [2, 2], r  # the blocks' within a pair
         assert r["losses_equal"] or r["loss_diff"] <= TOL64, r  # world 4: see the first test
         assert r["params_equal"] or r["param_diff"] <= TOL64, r
 

@@ -30,7 +30,7 @@ from ..runtime.registry import register_original
 from ..features.traps import install_optimizer_check, register_ignored
 from ..features import finite
 from ..features import schedule
-from ..runtime.state import FSDPState, RootContext
+from ..runtime.state import FSDPState, RootContext, fsdp_states
 from ..runtime import traced
 
 from .module import _replicated_class, _sharded_class
@@ -122,6 +122,8 @@ def _apply(
     lent = [(owner, place) for owner, places in found.borrowed for place in places]
     borrowed = _borrow(found.borrowed)
     move_buffers(modules, info.device)
+    for nested in fsdp_states(modules):  # (this call's state is not installed yet)
+        nested.nested = True
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     state.setup_root = _setup_root
     if type(reshard_after_forward) is int:  # made now: a compiled graph cannot make process groups

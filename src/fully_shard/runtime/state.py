@@ -397,6 +397,9 @@ class FSDPState:
         self.shared_comm: Optional[SharedComm] = None
         self.ctx: Optional[RootContext] = None
         self.is_root = False
+        # Under another call's modules (set by that call): what a trace, where no eager root is
+        # chosen, reads for the default reshard_after_forward (`traced.traced_param`).
+        self.nested = False
         self.fqn = ""
         self.resolve_reshard_after_forward()
         self.phase = TrainingPhase.IDLE

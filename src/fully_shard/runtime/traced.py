@@ -10,14 +10,14 @@ what it gathered; otherwise the property is the registered parameter. The gather
 eager reduction, op for op: the gradients cast to ``reduce_dtype`` and laid out by
 ``torch._chunk_cat``, divided by the pre-factor, one functional reduce-scatter (sum), the HSDP
 all-reduce, the post-division; each rank's slice lands in its shard's ``.grad``, the DTensor the
-optimizer sees in eager. ``reshard_after_forward`` (True, and the root's default ``None`` here) wraps the
-gather in a selective activation-checkpoint region whose every op is recomputed: the backward
-gathers again, the gathered parameters are not saved between forward and backward; an int ``k``
-gathers in two stages and recomputes only the second, within ``k`` ranks (`gather_group`). A
-tensor-parallel parameter's TP-local tensor is gathered and wrapped as the DTensor the TP module
-expects (`TPSpec.unsharded`); a shard dim other than 0 is moved to the front, as eager does. An
-offloaded (``CPUOffloadPolicy``) shard is copied to the mesh's device in the gather, its gradient
-back to the host in the reduction.
+optimizer sees in eager. ``reshard_after_forward`` (True, and a nested call's default ``None``:
+`FSDPState.nested`; the root's keeps, as eager's) wraps the gather in a selective
+activation-checkpoint region whose every op is recomputed: the backward gathers again, the gathered
+parameters are not saved between forward and backward; an int ``k`` gathers in two stages and
+recomputes only the second, within ``k`` ranks (`gather_group`). A tensor-parallel parameter's
+TP-local tensor is gathered and wrapped as the DTensor the TP module expects (`TPSpec.unsharded`); a
+shard dim other than 0 is moved to the front, as eager does. An offloaded (``CPUOffloadPolicy``)
+shard is copied to the mesh's device in the gather, its gradient back to the host in the reduction.
 An all-gather extension (a tensor subclass's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``,
 e.g. torchao's float8 weights, or a codec from ``set_all_gather_codec``) runs in the graph: its pre
 hook encodes each shard (`_encode`), the group's row travels as bytes (`_gather_encoded`), its post
@@ -120,7 +120,9 @@ def traced_param(module: nn.Module, name: str) -> Any:
                 if gathered.get("gathering") == key:  # an extension's pre hook reading the
                     return module._parameters[name]  # module: the sharded parameter, as in eager
                 group, setting = BY_KEY[key](), state.settings.reshard_after_forward  # (by key: `_Entry`)
-                reshard = setting if type(setting) is int else setting is not False
+                # the default (None) as eager's: a nested module's reshards, the root's keeps (needed
+                # first in backward; kept, its parameters add nothing to the peak there)
+                reshard = setting if type(setting) is int else state.nested if setting is None else setting
                 gathered["gathering"] = key
                 try:  # (a refusal in a forward run eagerly must not leave the mark: the next forward
                     gathered[key] = gather_group(group, reshard)  # would read the sharded parameter)
