@@ -321,6 +321,7 @@ def test_extension_errors_name_the_parameter_and_the_fix():
     x = torch.randn(2, 7, dtype=torch.float64)
     cases = [
         ("pre_only", TypeError, r"defines fsdp_pre_all_gather but not fsdp_post_all_gather"),
+        ("post_only", TypeError, r"defines fsdp_post_all_gather but not fsdp_pre_all_gather"),
         ("arity", TypeError, r"has 3 parameters; fully_shard calls it as fsdp_pre_all_gather\(mesh\)"),
         ("rows", ValueError, r"each input's dim 0 must be the padded row count 7"),
         ("dim1", ValueError, r"sharded on dim 1; extensions gather dim-0 shards"),
@@ -338,6 +339,8 @@ def test_extension_errors_name_the_parameter_and_the_fix():
             local = model[0][0].weight._local_tensor
             if case == "pre_only":
                 local.fsdp_pre_all_gather = _rows_pre.__get__(local)
+            elif case == "post_only":
+                local.fsdp_post_all_gather = _post_identity.__get__(local)
             elif case == "arity":
                 local.fsdp_pre_all_gather = (lambda mesh, size, stride: ((local,), None))
                 local.fsdp_post_all_gather = _post_identity.__get__(local)

@@ -122,8 +122,6 @@ def _apply(
     lent = [(owner, place) for owner, places in found.borrowed for place in places]
     borrowed = _borrow(found.borrowed)
     move_buffers(modules, info.device)
-    for nested in fsdp_states(modules):  # (this call's state is not installed yet)
-        nested.nested = True
     state = FSDPState(modules, group, info, reshard_after_forward, mp_policy, borrowed, extra)
     state.setup_root = _setup_root
     if type(reshard_after_forward) is int:  # made now: a compiled graph cannot make process groups
@@ -132,6 +130,8 @@ def _apply(
     for m in modules:
         _install(m, state, make_class)
     traced.install([(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent, state)
+    for nested in fsdp_states(modules):  # the earlier calls under these modules (`FSDPState.nested`)
+        nested.nested = nested is not state
 
 
 def _check(

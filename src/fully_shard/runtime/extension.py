@@ -45,7 +45,7 @@ def hooks_of(local: torch.Tensor, codec: Any, fqn: str | Callable[[], str]) -> O
             return None
         pre_fn, post_fn = codec.pre_all_gather, codec.post_all_gather
         return Hooks(functools.partial(pre_fn, local), functools.partial(post_fn, local), True, codec)
-    return _checked(pre, post, local, fqn, _arity(pre))
+    return _checked(pre, post, local, fqn, _arity(pre) if pre is not None else 0)
 
 
 @dataclass(frozen=True)

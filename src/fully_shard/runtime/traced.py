@@ -79,6 +79,7 @@ def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict)
     gathered where their parameters are first read (`traced_param`): in the frame of the forward,
     also when dynamo runs a compiled module's own hooks as frames of their own."""
     refuse_untraceable(state)
+    state._traced = None  # (what a forward that raised gathered: not this one's)
     if not torch.compiler.is_compiling():  # dynamo left this frame eager: the forward may run eager too
         _set_functional(state, True)
     mp = state.mp_policy
