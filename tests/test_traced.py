@@ -396,6 +396,13 @@ def _refused_then_gathered() -> dict:
         except RuntimeError as e:
             message = str(e)
         kept = params[0].unsharded_param.grad is pending
+        # that forward is over: no module still marked, the root's gathered group dropped, and a
+        # read outside any forward returns the registered (sharded) parameter, as eager's does
+        abandoned = {
+            "marked": [n for n, m in model.named_modules() if m.__dict__.get("_fsdp_functional")],
+            "kept_gathered": [s._traced is not None for s in states],
+            "read": [isinstance(m.weight, DTensor) for m in (model[0], model[1])],
+        }
         model.set_requires_all_reduce(False)  # the fix the message names
         for state, module in zip(states, (model, model[1])):  # the next forward
             traced.traced_pre_forward(state, module, (), {})
@@ -404,9 +411,10 @@ def _refused_then_gathered() -> dict:
         for state in states:
             traced._set_functional(state, False)
     return {
-        "refused": "fully_shard: bias has no place for its deferred HSDP sums" in message
+        "refused": "fully_shard: 1.bias has no place for its deferred HSDP sums" in message
         and "set_requires_all_reduce(False) again" in message,
         "pending_kept": kept,
+        "abandoned": abandoned,
         "gathered": [not isinstance(t, DTensor) and torch.equal(t, f) for t, f in zip(weights, full)],
         "fresh": weights[0] is not first,
         "pending_taken_then": params[0].unsharded_param.grad is None,
@@ -417,7 +425,8 @@ def _refused_then_gathered() -> dict:
 def test_a_refused_gather_takes_nothing_and_leaves_no_mark(ranks, world_size):
     for r in ranks(world_size).run(_refused_then_gathered):
         assert r == {"refused": True, "pending_kept": True, "gathered": [True, True], "fresh": True,
-                     "pending_taken_then": True}, r
+                     "pending_taken_then": True,
+                     "abandoned": {"marked": [], "kept_gathered": [False, False], "read": [True, True]}}, r
 
 
 def _offloaded(device_type: str = "cpu", backend: str = "aot_eager") -> dict:
@@ -1247,12 +1256,11 @@ def test_extension_methods_set_on_a_tensor_instance_unbound_are_refused_when_tra
     for kind, message in ranks(1).run(_refused, form):
         if form != "step":
             assert kind == "RuntimeError", (kind, message)  # not dynamo's wrapper: raised outside the trace
-        # Inside a step function's trace it is raised there, before lazy init (no path known: the
-        # block's class names it); dynamo wraps it ("Observed exception"), our message in its
-        # debug context.
-        where = "FSDPTransformerBlock" if form == "step" else "layers.0"
-        assert f"traces module {where} as part of a whole compiled model" in message, (kind, message)
-        assert "methods set on the tensor instance of attention_norm.weight are not both bound" in message
+        # Inside a step function's trace it is raised there, before lazy init; dynamo wraps it
+        # ("Observed exception"), our message in its debug context. Named by the path from the
+        # root in every form (each fully_shard call names the earlier ones under it).
+        assert "traces module layers.0 as part of a whole compiled model" in message, (kind, message)
+        assert "tensor instance of layers.0.attention_norm.weight are not both bound" in message, message
         assert "fn.__get__(local)" in message and "block.compile()" in message, message
 
 

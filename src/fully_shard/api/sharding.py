@@ -130,8 +130,10 @@ def _apply(
     for m in modules:
         _install(m, state, make_class)
     traced.install([(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent, state)
-    for nested in fsdp_states(modules):  # the earlier calls under these modules (`FSDPState.nested`)
-        nested.nested = nested is not state
+    for under, path in fsdp_states(modules).items():  # this call's and the earlier ones under it
+        under.nested = under is not state  # (`FSDPState.resolved_reshard` in a trace)
+        if under.ctx is None:  # (lazy init names them from its root; a trace before it, from these)
+            under.take_path(path)
 
 
 def _check(

@@ -398,7 +398,7 @@ class FSDPState:
         self.ctx: Optional[RootContext] = None
         self.is_root = False
         # Under another call's modules (set by that call): what a trace, where no eager root is
-        # chosen, reads for the default reshard_after_forward (`traced.traced_param`).
+        # chosen, reads for the default reshard_after_forward (`resolved_reshard`).
         self.nested = False
         self.fqn = ""
         self.resolve_reshard_after_forward()
@@ -492,12 +492,18 @@ class FSDPState:
     def _join(self, ctx: RootContext, is_root: bool, fqn: str) -> None:
         self.ctx = ctx
         self.is_root = is_root
-        self.fqn = fqn
+        self.take_path(fqn)
         self.resolve_reshard_after_forward()
         for g in self.own:
             g.comm = ctx.comm
             if type(self.reshard_after_forward) is int:  # not a bool
                 g.post_forward = post_forward_groups(g.info, self.reshard_after_forward)
+
+    def take_path(self, fqn: str) -> None:
+        """Name this call's module, and so its parameters (`FSDPParam.path`), by its path: from the
+        outermost call so far once a call encloses it (api.sharding), from the root at lazy init."""
+        self.fqn = fqn
+        for g in self.own:
             g.fqn = fqn
 
     def name(self) -> str:
@@ -555,10 +561,16 @@ class FSDPState:
         )
 
     def resolve_reshard_after_forward(self) -> None:
-        setting = self.settings.reshard_after_forward
-        # The root's parameters are needed first in backward, so keeping them is free prefetch.
-        self.reshard_after_forward: Union[bool, int] = (not self.is_root) if setting is None else setting
+        self.reshard_after_forward: Union[bool, int] = self.resolved_reshard(root=self.is_root)
         self.default_schedule = self.follows_default_schedule()
+
+    def resolved_reshard(self, root: bool) -> Union[bool, int]:
+        """The reshard_after_forward setting as it applies; the default (None) is "unless root": the
+        root's parameters are needed first in backward, so keeping them is free prefetch. Eager asks
+        with the root chosen at lazy init (`is_root`), a trace, which has none, with the root of the
+        calls (not `nested`)."""
+        setting = self.settings.reshard_after_forward
+        return (not root) if setting is None else setting
 
     def root_context(self) -> RootContext:
         """Before any forward (e.g. ``unshard()``) this state lazily becomes a root."""

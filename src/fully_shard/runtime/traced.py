@@ -42,6 +42,7 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -62,6 +63,7 @@ _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
 _ACCUMULATOR, _PENDING, _LEAF, _PARTIAL = range(4)
 _SAVED = (_PENDING, _PARTIAL)
 _C10D = torch.ops._c10d_functional
+_FUNCTIONAL: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the states whose modules `_set_functional` marked
 
 
 def traced_here(state: Any) -> bool:
@@ -104,6 +106,19 @@ def _set_functional(state: Any, on: bool) -> None:
     dispatch mode): its parameters are sharded then, and must be gathered the same way."""
     for module in state.__dict__.get("_traced_modules", ()):
         module.__dict__["_fsdp_functional"] = on
+    if on:
+        _FUNCTIONAL.add(state)
+    else:
+        _FUNCTIONAL.discard(state)
+
+
+def _abandon_functional() -> None:
+    """A gather refused in a forward run eagerly on the traced route: that forward is over. Every
+    module its hooks marked reads its registered (sharded) parameter again, and nothing gathered
+    is kept (its post-forward hooks will not run)."""
+    for state in list(_FUNCTIONAL):
+        _set_functional(state, False)
+        state._traced = None
 
 
 def traced_param(module: nn.Module, name: str) -> Any:
@@ -120,15 +135,16 @@ def traced_param(module: nn.Module, name: str) -> Any:
             if key not in gathered:
                 if gathered.get("gathering") == key:  # an extension's pre hook reading the
                     return module._parameters[name]  # module: the sharded parameter, as in eager
-                group, setting = BY_KEY[key](), state.settings.reshard_after_forward  # (by key: `_Entry`)
-                # the default (None) as eager's: a nested module's reshards, the root's keeps (needed
-                # first in backward; kept, its parameters add nothing to the peak there)
-                reshard = setting if type(setting) is int else state.nested if setting is None else setting
-                gathered["gathering"] = key
+                group = BY_KEY[key]()  # (by key: `_Entry`)
+                reshard = state.resolved_reshard(root=not state.nested)
+                gathered["gathering"], done = key, False
                 try:  # (a refusal in a forward run eagerly must not leave the mark: the next forward
                     gathered[key] = gather_group(group, reshard)  # would read the sharded parameter)
+                    done = True
                 finally:
                     gathered["gathering"] = None
+                    if not done and not torch.compiler.is_compiling():
+                        _abandon_functional()
             return gathered[key][entry.index]
     return module._parameters[name]
 
@@ -195,12 +211,8 @@ def refuse_untraceable_tree(state: Any) -> None:
     state; a setting changed later is still refused inside the trace."""
     if state.__dict__.get("_tree_traceable"):
         return
-    prefix = getattr(state, "fqn", "")  # (before lazy init, states have none)
-    for s, path in fsdp_states(state.modules).items():  # paths below ``state``, which may be a block
-        full = (
-            f"{prefix}.{path}" if prefix and path else prefix or path
-        )  # (no generator: dynamo, running over a frame it left eager, refuses generator frames)
-        refuse_untraceable(s, f"module {full}" if full else f"module {type(s.modules[0]).__name__}")
+    for s in fsdp_states(state.modules):  # ``state``'s and those below it (``state`` may be a block)
+        refuse_untraceable(s)
     state._tree_traceable = True
 
 
@@ -217,7 +229,7 @@ def _keep_instance_methods(fp: Any) -> bool:
     return set_on_instance and kept is None
 
 
-def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
+def refuse_untraceable(state: Any) -> None:
     """Raise, while tracing, for what the traced path does not do: all-gather extension methods
     set on a tensor instance but not bound to it (dynamo sees only a traced tensor's class, and
     methods bound to the shard are called on the traced one), naming the fix. In a trace, read
@@ -226,7 +238,7 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
     if torch.compiler.is_compiling():
         message = _untraceable_of(id(state))  # (torch 2.11 passes only constants to such calls)
     else:
-        message = _untraceable(state, name)
+        message = _untraceable(state)
     if message:
         raise RuntimeError(message)
 
@@ -235,20 +247,19 @@ def refuse_untraceable(state: Any, name: Optional[str] = None) -> None:
 def _untraceable_of(key: int) -> str:
     ref = BY_KEY.get(key)
     state = ref() if ref is not None else None
-    return _untraceable(state, None) if state is not None else ""  # (unkeyed: it manages nothing)
+    return _untraceable(state) if state is not None else ""  # (unkeyed: it manages nothing)
 
 
-def _untraceable(state: Any, name: Optional[str]) -> str:
+def _untraceable(state: Any) -> str:
     for g in state.groups:
         for fp in g.params:
             if _keep_instance_methods(fp):
-                if name is None:  # before lazy init (a compiled step's first trace) no state knows its path
-                    name = state.name() if state.fqn else f"module {type(state.modules[0]).__name__}"
                 return (
-                    f"fully_shard: torch.compile traces {name} as part of a whole compiled model, but the "
-                    f"all-gather extension methods set on the tensor instance of {fp.path} are not both "
-                    "bound to it: the traced path calls such methods on the traced shard, so it needs their "
-                    "functions (methods bound to the shard, or defined on a tensor subclass, are supported). "
+                    f"fully_shard: torch.compile traces {state.name()} as part of a whole compiled model, "
+                    "but the all-gather extension methods set on the tensor instance of "
+                    f"{fp.path} are not both bound to it: the traced path calls such methods on the traced "
+                    "shard, so it needs their functions (methods bound to the shard, or defined on a tensor "
+                    "subclass, are supported). "
                     "Fix: bind both to the local tensor (local.fsdp_pre_all_gather = fn.__get__(local)), "
                     "define them on a tensor subclass, or compile each block on its own instead (for block "
                     "in model.layers: block.compile()), where the eager engine drives the collectives "
