@@ -220,8 +220,8 @@ def test_tying_weights_of_two_groups_after_fully_shard_is_refused(ranks):
 @pytest.mark.parametrize("kind", ["shape", "placement"])
 def test_a_replacement_of_the_wrong_shape_or_placement_is_refused(ranks, kind):
     for message in ranks(2).run(_bad_assignment, kind):
-        # Before the first forward a name is relative to its fully_shard call's module (model[0]).
-        assert "'0.weight'" in message and "replaced after fully_shard" in message and "Fix:" in message, message
+        # Named by its path from the outermost fully_shard call, also before the first forward.
+        assert "parameter '0.0.weight'" in message and "replaced after fully_shard" in message and "Fix:" in message, message
         assert "(13, 7)" in message, message
 
 

@@ -326,8 +326,8 @@ class SharedComm:
 
 
 def fsdp_states(tops: Sequence[nn.Module]) -> dict["FSDPState", str]:
-    """Every `FSDPState` under ``tops``, once each, in pre-order, with the path (from the first of
-    ``tops``) of the module it was applied to."""
+    """Every `FSDPState` under ``tops``, once each, in pre-order, with the path of the module it
+    was applied to, from the first of ``tops`` that contains it."""
     paths: dict[nn.Module, str] = {}
     for top in tops:
         for name, module in top.named_modules():

@@ -42,6 +42,7 @@ recompute in an eager backward) keeps the eager hooks: ``module.<name>`` is what
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -63,7 +64,7 @@ _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
 _ACCUMULATOR, _PENDING, _LEAF, _PARTIAL = range(4)
 _SAVED = (_PENDING, _PARTIAL)
 _C10D = torch.ops._c10d_functional
-_FUNCTIONAL: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the states whose modules `_set_functional` marked
+_MARKED = threading.local()  # .states: the states whose modules `_set_functional` marked in this thread
 
 
 def traced_here(state: Any) -> bool:
@@ -106,17 +107,24 @@ def _set_functional(state: Any, on: bool) -> None:
     dispatch mode): its parameters are sharded then, and must be gathered the same way."""
     for module in state.__dict__.get("_traced_modules", ()):
         module.__dict__["_fsdp_functional"] = on
+    marked = _marked()
     if on:
-        _FUNCTIONAL.add(state)
+        marked.add(state)
     else:
-        _FUNCTIONAL.discard(state)
+        marked.discard(state)
+
+
+def _marked() -> "weakref.WeakSet[Any]":
+    if not hasattr(_MARKED, "states"):
+        _MARKED.states = weakref.WeakSet()
+    return _MARKED.states
 
 
 def _abandon_functional() -> None:
     """A gather refused in a forward run eagerly on the traced route: that forward is over. Every
-    module its hooks marked reads its registered (sharded) parameter again, and nothing gathered
-    is kept (its post-forward hooks will not run)."""
-    for state in list(_FUNCTIONAL):
+    module this thread's hooks marked reads its registered (sharded) parameter again, and nothing
+    gathered is kept (its post-forward hooks will not run)."""
+    for state in list(_marked()):
         _set_functional(state, False)
         state._traced = None
 
