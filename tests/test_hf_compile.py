@@ -21,30 +21,38 @@ from rank_utils import cpu_mesh, world
 from test_traced import AG, RS, _capturing_backend, _count, _fresh_compiler
 
 
-def _hf_llama(attention: str = "eager"):
+def _hf_llama(attention: str = "eager", checkpointing: str = ""):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False,
+        vocab_size=128, hidden_size=40, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False,
     )
     config._attn_implementation = attention
-    return LlamaForCausalLM(config).double()
+    model = LlamaForCausalLM(config).double()
+    if checkpointing == "hf":  # each decoder layer's forward under torch.utils.checkpoint (non-reentrant)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif checkpointing == "wrapper":  # torchtitan's order: checkpoint_wrapper, then fully_shard on it
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = checkpoint_wrapper(layer)
+    return model
 
 
 def _loss(model, ids):
     return model(input_ids=ids, labels=ids).loss
 
 
-def _hf_compiled(form: str) -> dict:
+def _hf_compiled(form: str, checkpointing: str = "") -> dict:
     from torch._dynamo.utils import counters
 
     from fully_shard import fully_shard
 
     _fresh_compiler()
     rank, w = world()
-    reference = _hf_llama()
+    reference = _hf_llama(checkpointing=checkpointing)
     runs = {}
     for mode in ("eager", "compiled"):
         model = copy.deepcopy(reference)
@@ -76,7 +84,13 @@ def _hf_compiled(form: str) -> dict:
     params = {k: [p.full_tensor() for p in runs[k].parameters()] for k in runs}
     full = [p.detach() for p in reference.parameters()]
     fw, bw = graphs["fw"][0], graphs["bw"][0]
+    # What the forward keeps for backward (the backward graph's inputs): a full-size weight there
+    # was not resharded (at world 1 the shards are full-size: not counted)
+    full_shapes = {tuple(p.shape) for p in reference.parameters() if p.dim() == 2}
+    saved = [n.meta["val"] for n in bw.graph.nodes
+             if n.op == "placeholder" and "val" in n.meta and not n.name.startswith("tangents")]
     return {
+        "saved_full_params": sum(1 for t in saved if tuple(getattr(t, "shape", ())) in full_shapes) if w > 1 else 0,
         "graphs": counters["stats"]["unique_graphs"],
         "breaks": sum(counters["graph_break"].values()),
         "fw_ag": _count(fw, AG), "bw_rs": _count(bw, RS), "bw_ag": _count(bw, AG),
@@ -87,14 +101,28 @@ def _hf_compiled(form: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("form,world_size", [("model", 1), ("step", 2), ("model", 4)])
-def test_transformers_llama_compiled_whole_equals_eager(ranks, form, world_size):
+@pytest.mark.parametrize("form,world_size,checkpointing", [
+    ("model", 1, ""), ("step", 2, ""), ("model", 4, ""),
+    ("model", 1, "hf"), ("model", 2, "hf"), ("step", 4, "hf"), ("model", 2, "wrapper"),
+])
+def test_transformers_llama_compiled_whole_equals_eager(ranks, form, world_size, checkpointing):
+    """``checkpointing``: "hf", transformers' gradient checkpointing (``gradient_checkpointing_enable()``,
+    each decoder layer's forward inside ``torch.utils.checkpoint``); "wrapper", each layer in
+    torch's ``checkpoint_wrapper``, sharded as the wrapper (torchtitan's order). Until 2026-11-28 dynamo refused
+    it with ``fullgraph=True`` ("HOP: Non-nullified side effect": the parameters were gathered where
+    first read, inside the checkpointed region, writing the state's per-forward dict) and, without,
+    the forward raised mixing Tensors and DTensors; now each module's groups are gathered by its
+    pre-forward hook, outside the region."""
     collectives = world_size > 1  # (at world 1 the traced gather returns the shard itself)
-    for r in ranks(world_size).run(_hf_compiled, form):
-        print(f"{form} world {world_size}: {r}")
+    for r in ranks(world_size).run(_hf_compiled, form, checkpointing):
+        print(f"{form} world {world_size} checkpointing={checkpointing}: {r}")
         assert r["graphs"] == 1 and r["breaks"] == 0, r
         # one all-gather per group (2 layers, the root) forward; backward regathers the layers
         # (resharded: the default of a nested call), the root's are kept; one reduce-scatter each
         assert (r["fw_ag"], r["bw_ag"], r["bw_rs"]) == ((3, 2, 3) if collectives else (0, 0, 0)), r
+        # kept for backward: the root's (tied) embedding only; the layers' weights are gathered
+        # again, inside the checkpointed region's recompute too (the sizes are chosen so that no
+        # shard or activation has a weight's shape)
+        assert r["saved_full_params"] == (1 if collectives else 0), r
         assert r["equal"] and r["tied"], r
         assert r["reference_diff"] <= TOL64, r

@@ -261,7 +261,7 @@ class _OutsideCompile:
         if traced.traced_here(state):
             if not compiling:  # a frame of its own, run eagerly: refuse here, where the message survives
                 traced.refuse_untraceable_tree(state)
-            return self.traced_hook(state, *args, **kwargs)
+            return self.traced_hook(state, *args, inlined=compiling, **kwargs)
         return self.run_eagerly(*args, **kwargs)
 
 

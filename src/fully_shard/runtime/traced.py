@@ -77,21 +77,32 @@ def traced_here(state: Any) -> bool:
 # -- the module side: hooks and parameter properties
 
 
-def traced_pre_forward(state: Any, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Refuse what the traced path lacks; cast the inputs as the eager hook does. The groups are
-    gathered where their parameters are first read (`traced_param`): in the frame of the forward,
-    also when dynamo runs a compiled module's own hooks as frames of their own."""
+def traced_pre_forward(
+    state: Any, module: nn.Module, args: tuple, kwargs: dict, inlined: bool = False
+) -> tuple[tuple, dict]:
+    """Refuse what the traced path lacks; cast the inputs as the eager hook does. ``inlined`` (traced
+    in the forward's frame): gather the groups this forward reads here, before the forward: a
+    forward run inside an activation checkpoint (transformers' gradient checkpointing,
+    ``checkpoint_wrapper``) is a region where dynamo allows no write to an object from outside it,
+    so the reads there only look the gathered parameters up. Otherwise (dynamo runs a compiled
+    module's own hooks as frames of their own, outside its forward's graph) the groups are gathered
+    where their parameters are first read (`traced_param`)."""
     refuse_untraceable(state)
     state._traced = None  # (what a forward that raised gathered: not this one's)
     if not torch.compiler.is_compiling():  # dynamo left this frame eager: the forward may run eager too
         _set_functional(state, True)
+    elif inlined:
+        for entry in state._traced_entries:
+            _gathered(state, entry.group_key)
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     return args, kwargs
 
 
-def traced_post_forward(state: Any, module: nn.Module, args: tuple, output: Any) -> Any:
+def traced_post_forward(
+    state: Any, module: nn.Module, args: tuple, output: Any, inlined: bool = False
+) -> Any:
     """Drop what this module's forward gathered; cast the output."""
     state._traced = None  # the next forward makes a new dict (`traced_param`)
     if not torch.compiler.is_compiling():
@@ -136,25 +147,37 @@ def traced_param(module: nn.Module, name: str) -> Any:
     if torch.compiler.is_compiling() or module.__dict__.get("_fsdp_functional"):
         entry = module.__dict__.get("_fsdp_traced_params", {}).get(name)
         if entry is not None and traced_here(entry.state):  # (per block: no key read, one graph
-            state, key = entry.state, entry.group_key  # for every block alike)
-            gathered = state._traced
-            if gathered is None:  # made inside the graph: a dict from before it, written here,
-                gathered = state._traced = {}  # would make every gathered parameter a graph output
-            if key not in gathered:
-                if gathered.get("gathering") == key:  # an extension's pre hook reading the
-                    return module._parameters[name]  # module: the sharded parameter, as in eager
-                group = BY_KEY[key]()  # (by key: `_Entry`)
-                reshard = state.resolved_reshard(root=not state.nested)
-                gathered["gathering"], done = key, False
-                try:  # (a refusal in a forward run eagerly must not leave the mark: the next forward
-                    gathered[key] = gather_group(group, reshard)  # would read the sharded parameter)
-                    done = True
-                finally:
-                    gathered["gathering"] = None
-                    if not done and not torch.compiler.is_compiling():
-                        _abandon_functional()
-            return gathered[key][entry.index]
+            gathered = _gathered(entry.state, entry.group_key)  # for every block alike)
+            if gathered is not None:
+                return gathered[entry.index]
     return module._parameters[name]
+
+
+def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
+    """The group ``key``'s parameters gathered in ``state``'s forward: by `gather_group` once per
+    forward; None while that gather runs (an extension's pre hook reading the module: the sharded
+    parameter, as in eager)."""
+    gathered = state._traced
+    if gathered is None:  # made inside the graph: a dict from before it, written here,
+        gathered = state._traced = {}  # would make every gathered parameter a graph output
+    if key in gathered:
+        return gathered[key]
+    if gathered.get("gathering") == key:
+        return None
+    group = BY_KEY[key]()  # (by key: `_Entry`)
+    reshard = state.resolved_reshard(root=not state.nested)
+    gathered["gathering"], done = key, False
+    try:  # (a refusal in a forward run eagerly must not leave the mark: the next forward
+        # would read the sharded parameter). Each parameter a view outside the gather's recompute
+        # region: read first inside an activation checkpoint, the region's own output would be
+        # saved for backward (AOTAutograd saves what one recomputed region hands the next).
+        gathered[key] = [p.view_as(p) for p in gather_group(group, reshard)]
+        done = True
+    finally:
+        gathered["gathering"] = None
+        if not done and not torch.compiler.is_compiling():
+            _abandon_functional()
+    return gathered[key]
 
 
 class _Entry:
@@ -200,6 +223,10 @@ def install(places: list[tuple[Any, Any]], state: Any) -> None:
         entry = _Entry(state, fp.group, index[id(fp)])
         by_module.setdefault(id(place.module), (place.module, {}))[1][place.name] = entry
     state._traced = None  # a group's key -> its gathered parameters, in one forward (`traced_param`)
+    # one entry per group this state's forward gathers (`traced_pre_forward`); entries, not keys:
+    # a copy's entries key its own groups
+    firsts = {id(e.group): e for _, owned in by_module.values() for e in owned.values()}
+    state._traced_entries = list(firsts.values())
     modules = state.__dict__.setdefault("_traced_modules", [])
     for module, owned in by_module.values():
         if not any(m is module for m in modules):
