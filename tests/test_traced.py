@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from _parity import TOL64, llama64, make_mlp, mlp_batch
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
-from rank_utils import cpu_mesh, global_mean, world
+from rank_utils import cpu_mesh, global_mean, max_param_diff, world
 
 AG = "_c10d_functional.all_gather_into_tensor.default"
 RS = "_c10d_functional.reduce_scatter_tensor.default"
@@ -749,6 +749,114 @@ def test_accumulating_without_an_unsharded_parameter_is_refused_with_the_fix(ran
     (message,) = ranks(1).run(_copy_without_accumulators)
     assert "has no unsharded parameter in its param dtype to accumulate" in message, message
     assert "Fix: call module.set_requires_gradient_sync(False) again" in message, message
+
+
+
+class _MaybeSkipped(torch.nn.Linear):
+    def forward(self, x, skip=None):
+        return x if skip == "inside" else x.detach() if skip == "detached" else torch.tanh(super().forward(x))
+
+
+class _Skippable(torch.nn.Module):
+    """Blocks whose second one a micro-batch may skip: its forward runs and reads nothing
+    ("inside", a branch not taken; "detached", returning its input detached) or is never called
+    ("outside", layer drop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MaybeSkipped(6, 6) for _ in range(3))
+        self.head = torch.nn.Linear(6, 1)
+
+    def forward(self, x, skip=None):
+        for i, layer in enumerate(self.layers):
+            if i == 1 and skip == "outside":
+                continue
+            x = layer(x, skip=skip if i == 1 and skip != "outside" else None)
+        return self.head(x).sum()
+
+
+def _skipped_when_synced(skip: str, form: str, hsdp: bool) -> dict:
+    """Two steps of two micro-batches, the first without gradient sync (``hsdp``: with the HSDP
+    all-reduce deferred instead), the second skipping block 1 (`_Skippable`): ours compiled whole
+    (``form``: "wrap", torch.compile(model); "method", model.compile()) against ours eager and an
+    unsharded float64 replica. Eager reduces what block 1 accumulated at the end of the synced
+    backward; so must the compiled step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    rank, w = world()
+    mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard")) if hsdp else cpu_mesh()
+    torch.manual_seed(0)
+    ref = _Skippable().double()
+    eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
+    for model in (eager, compiled):
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if form == "method":
+        compiled.compile(backend="aot_eager", fullgraph=True)
+        fn = compiled
+    else:
+        fn = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, eager, compiled)]
+    for step in range(2):
+        for j, (sync, skipped) in enumerate([(False, None), (True, skip)]):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + j), dtype=torch.float64)
+            (ref(x, skipped) / w).backward()
+            for model, call in ((eager, eager), (compiled, fn)):
+                (model.set_requires_all_reduce if hsdp else model.set_requires_gradient_sync)(sync)
+                call(x.chunk(w)[rank], skipped).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ea, eb = _full(eager), _full(compiled)
+    states = [m._get_fsdp_state() for m in (compiled, *compiled.layers)]
+    fps = [fp for s in states for g in s.own for fp in g.params]
+    return {
+        "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
+        "vs_float64": max_param_diff(compiled, ref),
+        "eager_vs_float64": max_param_diff(eager, ref),
+        "left": sum(fp.partial_reduce is not None or (fp.unsharded_param is not None
+                                                     and fp.unsharded_param.grad is not None) for fp in fps),
+    }
+
+
+_SKIPS = {1: [("inside", "method", False)],
+          2: [("inside", "wrap", False), ("outside", "method", False), ("outside", "wrap", True)],
+          4: [("outside", "wrap", False), ("inside", "method", True)]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_block_skipped_in_the_synced_micro_batch_gets_what_it_accumulated(ranks, world_size):
+    """A block whose forward reads none of its parameters in the synced micro-batch, or is not
+    called, after micro-batches without sync (or deferring the HSDP all-reduce): its accumulated
+    gradient is reduced by the synced backward, as eager's end of backward does (was: taken by the
+    block's gather and dropped, as nothing used it; or left for a later step). Compiled equals eager
+    to the bit, and both the float64 replica within TOL64; nothing left accumulated."""
+    for skip, form, hsdp in _SKIPS[world_size]:
+        for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp):
+            print(f"world {world_size} {skip} {form} hsdp={hsdp}: {r}")
+            assert r["params_equal"] and r["left"] == 0, r
+            assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
+
+
+def _detached_when_synced() -> str:
+    try:
+        _skipped_when_synced("detached", "method", False)
+    except Exception as e:  # dynamo wraps what the trace raised
+        return str(e)
+    return "no error"
+
+
+def test_a_block_returning_nothing_that_requires_grad_with_sums_to_reduce_is_refused(ranks):
+    """The synced micro-batch's block 1 returns its input detached: its gather took what it
+    accumulated, and nothing of its output reaches backward to reduce it. Refused, naming the
+    module and the fix (eager reduces it at the end of backward; compiled it would be lost)."""
+    (message,) = ranks(1).run(_detached_when_synced)
+    assert "the forward of module layers.1 took gradients that earlier backwards accumulated" in message, message
+    assert "holds no tensor that requires grad" in message and "Fix: return the output" in message, message
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -129,8 +129,10 @@ def _apply(
             g.post_forward = post_forward_groups(g.info, reshard_after_forward)
     for m in modules:
         _install(m, state, make_class)
-    traced.install([(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent, state)
-    for under, path in fsdp_states(modules).items():  # this call's and the earlier ones under it
+    tree = fsdp_states(modules)  # this call's and the earlier ones under it
+    places = [(fp, place) for g in state.own for fp in g.params for place in fp.places] + lent
+    traced.install(places, state, list(tree))
+    for under, path in tree.items():
         under.nested = under is not state  # (`FSDPState.resolved_reshard` in a trace)
         if under.ctx is None:  # (lazy init names them from its root; a trace before it, from these)
             under.take_path(path)
@@ -241,17 +243,25 @@ class _OutsideCompile:
     collectives go into the graph (`traced`). As a frame of its own (dynamo runs the hooks of a
     compiled module outside its forward's frame) the hook is never traced (``skip_code``): it runs
     eagerly, either the eager hook (a block compiled while the eager engine drives the step) or
-    the traced hook's host work (``torch.compile(model)``). The eager hook runs through
+    the traced hook (the root's under ``torch.compile(model)``), which dynamo compiles as a frame of
+    its own, or with ``eager_frame`` (the post-forward) runs eagerly: its ties to the output
+    (`traced._carry`) would otherwise make a graph of their own. The eager hook runs through
     ``torch._dynamo.disable`` there, so nothing of it is compiled. An object, not a closure, so a
     deepcopy rebinds it to the copy.
     """
 
-    def __init__(self, hook: Callable[..., Any], traced_hook: Callable[..., Any]) -> None:
+    def __init__(
+        self, hook: Callable[..., Any], traced_hook: Callable[..., Any], eager_frame: bool = False
+    ) -> None:
         self.hook = hook
         self.traced_hook = traced_hook
+        self.eager_frame = eager_frame  # as a frame of its own, the traced hook runs eagerly (not compiled)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         return self.hook(*args, **kwargs)
+
+    def run_traced(self, *args: Any, **kwargs: Any) -> Any:
+        return self.traced_hook(self.hook.__self__, *args, inlined=False, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
@@ -261,6 +271,8 @@ class _OutsideCompile:
         if traced.traced_here(state):
             if not compiling:  # a frame of its own, run eagerly: refuse here, where the message survives
                 traced.refuse_untraceable_tree(state)
+                if self.eager_frame:
+                    return self.run_traced_eagerly(*args, **kwargs)
             return self.traced_hook(state, *args, inlined=compiling, **kwargs)
         return self.run_eagerly(*args, **kwargs)
 
@@ -294,7 +306,9 @@ def _outside_compile_type() -> type:
 
     skip_code(_OutsideCompile.__call__.__code__)  # traced when inlined, never as a frame of its own
     disabled = torch._dynamo.disable(_OutsideCompile.run, recursive=True)
-    return type("OutsideCompileHook", (_OutsideCompile,), {"run_eagerly": disabled, "__module__": __name__})
+    traced_eagerly = torch._dynamo.disable(_OutsideCompile.run_traced, recursive=True)
+    attrs = {"run_eagerly": disabled, "run_traced_eagerly": traced_eagerly, "__module__": __name__}
+    return type("OutsideCompileHook", (_OutsideCompile,), attrs)
 
 
 def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], type]) -> None:
@@ -302,7 +316,9 @@ def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], t
     hook = _outside_compile_type()
     pre = hook(state.pre_forward, traced.traced_pre_forward)
     module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-    module.register_forward_hook(hook(state.post_forward, traced.traced_post_forward))
+    # (the root's post-forward, a frame of its own under torch.compile(model), ties what a gather
+    # took to its output: eagerly, not as a graph of its own: `traced.traced_post_forward`)
+    module.register_forward_hook(hook(state.post_forward, traced.traced_post_forward, eager_frame=True))
     # A state dict holds sharded DTensors only, also while the parameters are unsharded.
     module.register_state_dict_pre_hook(_Hook(state.show_sharded))
     module.register_state_dict_post_hook(_Hook(state.show_unsharded))

@@ -3,10 +3,11 @@
 When dynamo traces a forward with no eager FSDP step around it (``torch.compile(model)``, the whole
 model or a training-step function: `traced_here`), the hooks run nothing eager. Each managed
 parameter, read as ``module.<name>``, is a property of the module's class (`traced_class`): while
-tracing, the first read in a module's forward gathers the parameter's group *in the graph*
-(`gather_group`: the group's local shards, cast to ``param_dtype`` and padded as the eager
-all-gather lays them out, through one functional all-gather), the module's post-forward hook drops
-what it gathered; otherwise the property is the registered parameter. The gather's backward is the
+tracing it is the parameter's group gathered *in the graph* (`gather_group`: the group's local
+shards, cast to ``param_dtype`` and padded as the eager all-gather lays them out, through one
+functional all-gather) by the module's pre-forward hook where dynamo inlines it (else at the
+first read), the module's post-forward hook drops what it gathered; otherwise the property is the
+registered parameter. The gather's backward is the
 eager reduction, op for op: the gradients cast to ``reduce_dtype`` and laid out by
 ``torch._chunk_cat``, divided by the pre-factor, one functional reduce-scatter (sum), the HSDP
 all-reduce, the post-division; each rank's slice lands in its shard's ``.grad``, the DTensor the
@@ -30,7 +31,9 @@ guards on the setting) accumulates where eager does: the gather's backward hands
 unreduced, to the parameter's unsharded ``nn.Parameter`` (an extra input of the gather; its
 storage stays freed), whose ``.grad`` autograd sums. The next synced forward takes those ``.grad``
 (and clears them) as inputs, and its backward adds them before the reduction, as eager's
-accumulated unsharded gradient. Eager and compiled micro-batches mix in either order. HSDP with the
+accumulated unsharded gradient; a group whose parameters that forward never reads (a branch not
+taken) or never gathers (a block not called) still has them reduced (`traced_post_forward`), as
+eager's end of backward does. Eager and compiled micro-batches mix in either order. HSDP with the
 all-reduce deferred (``set_requires_all_reduce(False)``) likewise: the backward reduce-scatters
 and hands each slot to the parameter's partial leaf (`FSDPParam.partial_leaf`), the next
 all-reducing one adds what the leaves hold before its all-reduce.
@@ -50,6 +53,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
@@ -103,12 +107,85 @@ def traced_pre_forward(
 def traced_post_forward(
     state: Any, module: nn.Module, args: tuple, output: Any, inlined: bool = False
 ) -> Any:
-    """Drop what this module's forward gathered; cast the output."""
+    """Drop what this module's forward gathered; cast the output. A gather that took the sums of
+    earlier backwards (gradients accumulated without sync, deferred HSDP sums) reduces them in its
+    backward, which must run even where this forward read none of its parameters (a branch not
+    taken): its parameters are tied to the output (`_carry`). The root also gathers and ties every
+    group under it whose sums no gather of this forward took (its module did not run), as eager's
+    end of backward reduces them (`_left_over`)."""
+    carried = state._traced.get("carrying", []) if state._traced is not None else []
     state._traced = None  # the next forward makes a new dict (`traced_param`)
     if not torch.compiler.is_compiling():
         _set_functional(state, False)
     dtype = state.mp_policy.output_dtype
-    return _cast_floats(output, dtype) if dtype is not None else output
+    output = _cast_floats(output, dtype) if dtype is not None else output
+    if not state.nested:
+        carried = carried + _left_over(state)
+    return _carry(state, output, carried) if carried else output
+
+
+def _left_over(root: Any) -> list[torch.Tensor]:
+    """At the end of the root's forward with gradient sync: the groups under it (`install`'s
+    ``tree``) still holding sums of earlier backwards, each gathered now (its sums taken), so that
+    this backward reduces them."""
+    if not torch.is_grad_enabled():
+        return []
+    out: list[torch.Tensor] = []
+    for under in root._traced_tree:
+        for entry in under._traced_entries:
+            group = BY_KEY[entry.group_key]()
+            if _holds_sums(group):
+                out += gather_group(group, False)[0]
+    return out
+
+
+def _holds_sums(group: Any) -> bool:
+    """Whether a gather of ``group`` in a forward with gradient sync takes sums (`gather_group`)."""
+    settings = group.settings
+    if not settings.requires_gradient_sync:
+        return False
+    for fp in group.params:
+        unsharded = fp.unsharded_param
+        if unsharded is not None and unsharded.grad is not None:
+            return True
+        if settings.requires_all_reduce and fp.partial_reduce is not None:
+            return True
+    return False
+
+
+def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
+    """``output`` with each tensor of it that requires grad passed through `_Carry`, whose backward
+    reaches the ``carried`` gathered parameters (their gathers' backwards run)."""
+    leaves, spec = tree_flatten(output)
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not at:
+        raise RuntimeError(
+            f"fully_shard: under torch.compile, the forward of {state.name()} took gradients that earlier "
+            "backwards accumulated without sync (set_requires_gradient_sync(False)) or HSDP sums they "
+            "deferred, for this backward to reduce, but its output holds no tensor that requires grad, "
+            "so this backward cannot reach them and they would be lost. Fix: return the output with its "
+            "autograd graph (not detached), or run this micro-batch eagerly (torch.compiler.set_stance"
+            '("force_eager")), or reduce first: module.reduce_grads()'
+        )
+    tied = _Carry.apply(len(at), *(leaves[i] for i in at), *carried)
+    for i, t in zip(at, tied):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
+
+
+class _Carry(torch.autograd.Function):
+    """Forward: the first ``count`` tensors, passed through. Backward: their gradients, and None for
+    the rest (gathered parameters), whose gathers' backwards thus run once their other uses' have."""
+
+    @staticmethod
+    def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.rest = len(tensors) - count
+        return tuple(t.view_as(t) for t in tensors[:count])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        return (None, *grads, *[None] * ctx.rest)
 
 
 def _set_functional(state: Any, on: bool) -> None:
@@ -171,7 +248,10 @@ def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
         # would read the sharded parameter). Each parameter a view outside the gather's recompute
         # region: read first inside an activation checkpoint, the region's own output would be
         # saved for backward (AOTAutograd saves what one recomputed region hands the next).
-        gathered[key] = [p.view_as(p) for p in gather_group(group, reshard)]
+        fulls, carries = gather_group(group, reshard)
+        gathered[key] = [p.view_as(p) for p in fulls]
+        if carries:  # its backward must run (`traced_post_forward`)
+            gathered.setdefault("carrying", []).extend(gathered[key])
         done = True
     finally:
         gathered["gathering"] = None
@@ -213,9 +293,11 @@ def traced_class(cls: type, names: tuple[str, ...]) -> type:
     return type(cls.__name__, (cls,), attrs)
 
 
-def install(places: list[tuple[Any, Any]], state: Any) -> None:
+def install(places: list[tuple[Any, Any]], state: Any, tree: list[Any]) -> None:
     """Give every module holding a managed parameter the traced properties: ``places`` are
-    ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers)."""
+    ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers).
+    ``tree``: ``state`` and the states under its modules, whose sums it reduces as a root (`_left_over`)."""
+    state._traced_tree = tree
     by_module: dict[int, tuple[nn.Module, dict[str, _Entry]]] = {}
     groups = {id(fp.group): fp.group for fp, _ in places}
     index = {id(p): i for g in groups.values() for i, p in enumerate(g.params)}  # in its group
@@ -306,9 +388,10 @@ def _untraceable(state: Any) -> str:
 # -- the collectives
 
 
-def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
+def gather_group(group: Any, reshard: bool | int) -> tuple[list[torch.Tensor], bool]:
     """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
-    group's reduction (or, without gradient sync, the accumulation on the unsharded parameters).
+    group's reduction (or, without gradient sync, the accumulation on the unsharded parameters),
+    and whether it took sums of earlier backwards, which only its backward reduces.
     ``reshard``: recomputed in backward, not saved; an int ``k``: gathered in two stages, across
     the groups of ``k`` ranks then within one, the first stage's result saved and only the second
     recomputed (backward gathers within ``k`` ranks, as eager's `PostForwardGroup`)."""
@@ -356,8 +439,9 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
         return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
     inputs = (*shards, *extra)
+    carries = any(kind in _SAVED for kind, _ in plan.slots)
     if not reshard:
-        return gather(*inputs)
+        return gather(*inputs), carries
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(
@@ -366,7 +450,7 @@ def gather_group(group: Any, reshard: bool | int) -> list[torch.Tensor]:
         use_reentrant=False,
         context_fn=_recompute,
         preserve_rng_state=False,
-    )
+    ), carries
 
 
 @torch.compiler.assume_constant_result
