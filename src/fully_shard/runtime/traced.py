@@ -141,14 +141,15 @@ def _left_over(root: Any) -> list[torch.Tensor]:
 
 def _holds_sums(group: Any) -> bool:
     """Whether a gather of ``group`` in a forward with gradient sync takes sums (`gather_group`)."""
-    settings = group.settings
+    settings, info = group.settings, group.info
     if not settings.requires_gradient_sync:
         return False
+    all_reducing = settings.requires_all_reduce and info.is_hsdp and info.replicate_size > 1  # (as `_Plan`)
     for fp in group.params:
         unsharded = fp.unsharded_param
         if unsharded is not None and unsharded.grad is not None:
             return True
-        if settings.requires_all_reduce and fp.partial_reduce is not None:
+        if all_reducing and fp.partial_reduce is not None:
             return True
     return False
 
