@@ -93,6 +93,9 @@ def traced_pre_forward(
     where their parameters are first read (`traced_param`)."""
     refuse_untraceable(state)
     state._traced = None  # (what a forward that raised gathered: not this one's)
+    if not state.nested:  # (handles of a forward the root's post-forward did not end)
+        for under in state._traced_tree:
+            under._traced_handles = None
     if not torch.compiler.is_compiling():  # dynamo left this frame eager: the forward may run eager too
         _set_functional(state, True)
     elif inlined:
@@ -110,32 +113,40 @@ def traced_post_forward(
     """Drop what this module's forward gathered; cast the output. A gather that took the sums of
     earlier backwards (gradients accumulated without sync, deferred HSDP sums) reduces them in its
     backward, which must run even where this forward read none of its parameters (a branch not
-    taken): its parameters are tied to the output (`_carry`). The root also gathers and ties every
-    group under it whose sums no gather of this forward took (its module did not run), as eager's
-    end of backward reduces them (`_left_over`)."""
-    carried = state._traced.get("carrying", []) if state._traced is not None else []
+    taken) or its output reaches no loss: it left a handle (`_Handle`, empty), kept here for the
+    root. The root ties every handle of the states under it to its output (`_carry`), with those
+    of a reduction of each group whose sums no gather of this forward took (its module did not
+    run), as eager's end of backward reduces them (`_left_over`)."""
+    handles = state._traced.get("carrying", []) if state._traced is not None else []
     state._traced = None  # the next forward makes a new dict (`traced_param`)
     if not torch.compiler.is_compiling():
         _set_functional(state, False)
     dtype = state.mp_policy.output_dtype
     output = _cast_floats(output, dtype) if dtype is not None else output
-    if not state.nested:
-        carried = carried + _left_over(state)
-    return _carry(state, output, carried) if carried else output
+    if handles:
+        state._traced_handles = (state._traced_handles or []) + handles
+    if state.nested:
+        return output
+    handles = _left_over(state)
+    return _carry(state, output, handles) if handles else output
 
 
 def _left_over(root: Any) -> list[torch.Tensor]:
-    """At the end of the root's forward with gradient sync: the groups under it (`install`'s
-    ``tree``) still holding sums of earlier backwards, each gathered now (its sums taken), so that
-    this backward reduces them."""
-    if not torch.is_grad_enabled():
-        return []
+    """At the end of the root's forward, for the states under it (`install`'s ``tree``): the
+    handles their gathers left, and with gradient sync, per group still holding sums of earlier
+    backwards, a reduction of them in backward (`gather_group`, ``reduce_only``: nothing gathered)."""
     out: list[torch.Tensor] = []
+    for under in root._traced_tree:
+        if under._traced_handles is not None:
+            out += under._traced_handles
+            under._traced_handles = None
+    if not torch.is_grad_enabled():
+        return out
     for under in root._traced_tree:
         for entry in under._traced_entries:
             group = BY_KEY[entry.group_key]()
             if _holds_sums(group):
-                out += gather_group(group, False)[0]
+                out += gather_group(group, False, reduce_only=True)[0]
     return out
 
 
@@ -156,7 +167,7 @@ def _holds_sums(group: Any) -> bool:
 
 def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
     """``output`` with each tensor of it that requires grad passed through `_Carry`, whose backward
-    reaches the ``carried`` gathered parameters (their gathers' backwards run)."""
+    reaches the ``carried`` handles (their gathers' backwards run)."""
     leaves, spec = tree_flatten(output)
     at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not at:
@@ -172,6 +183,18 @@ def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
     for i, t in zip(at, tied):
         leaves[i] = t
     return tree_unflatten(leaves, spec)
+
+
+class _Handle(torch.autograd.Function):
+    """An empty tensor whose backward reaches ``full`` (a gathered parameter) without keeping it."""
+
+    @staticmethod
+    def forward(ctx: Any, full: torch.Tensor) -> torch.Tensor:
+        return torch.empty(0, device=full.device)  # (plain: ``full`` may be an extension's subclass)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> None:
+        return None
 
 
 class _Carry(torch.autograd.Function):
@@ -251,8 +274,9 @@ def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
         # saved for backward (AOTAutograd saves what one recomputed region hands the next).
         fulls, carries = gather_group(group, reshard)
         gathered[key] = [p.view_as(p) for p in fulls]
-        if carries:  # its backward must run (`traced_post_forward`)
-            gathered.setdefault("carrying", []).extend(gathered[key])
+        if carries:  # its backward must run: a handle for the root (`traced_post_forward`)
+            trainable = next(p for p in fulls if p.requires_grad)
+            gathered.setdefault("carrying", []).append(_Handle.apply(trainable))
         done = True
     finally:
         gathered["gathering"] = None
@@ -299,6 +323,7 @@ def install(places: list[tuple[Any, Any]], state: Any, tree: list[Any]) -> None:
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers).
     ``tree``: ``state`` and the states under its modules, whose sums it reduces as a root (`_left_over`)."""
     state._traced_tree = tree
+    state._traced_handles = None  # what this module's gathers left for the root (`traced_post_forward`)
     by_module: dict[int, tuple[nn.Module, dict[str, _Entry]]] = {}
     groups = {id(fp.group): fp.group for fp, _ in places}
     index = {id(p): i for g in groups.values() for i, p in enumerate(g.params)}  # in its group
@@ -389,10 +414,13 @@ def _untraceable(state: Any) -> str:
 # -- the collectives
 
 
-def gather_group(group: Any, reshard: bool | int) -> tuple[list[torch.Tensor], bool]:
+def gather_group(
+    group: Any, reshard: bool | int, reduce_only: bool = False
+) -> tuple[list[torch.Tensor], bool]:
     """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
     group's reduction (or, without gradient sync, the accumulation on the unsharded parameters),
-    and whether it took sums of earlier backwards, which only its backward reduces.
+    and whether it took sums of earlier backwards, which only its backward reduces. ``reduce_only``:
+    nothing gathered (empty stand-ins, `_ReduceOnly`), the backward reduces only the sums taken.
     ``reshard``: recomputed in backward, not saved; an int ``k``: gathered in two stages, across
     the groups of ``k`` ranks then within one, the first stage's result saved and only the second
     recomputed (backward gathers within ``k`` ranks, as eager's `PostForwardGroup`)."""
@@ -431,6 +459,8 @@ def gather_group(group: Any, reshard: bool | int) -> tuple[list[torch.Tensor], b
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
         # DTensor on the TP mesh, as eager's unsharded gradient)
         local = [_local(t) for t in inputs]
+        if reduce_only:
+            return list(_ReduceOnly.apply(plan, (), *local, *((None,) if len(local) == 2 else ())))
         encoded = _encode(plan, local[:n]) if plan.extended else []
         counts = tuple(len(spec[2]) if spec is not None else 0 for spec in encoded)
         sent = [t for spec in encoded if spec is not None for t in spec[2]]
@@ -746,7 +776,7 @@ class _GatherGroup(torch.autograd.Function):
         # what extensions send (`_encode`). What backward adds (pending sums) is saved, in slot order.
         n, slots = len(plan.layouts), plan.slots
         shards, extra = inputs[:n], inputs[n : n + len(slots)]
-        ctx.plan, ctx.sent = plan, len(inputs) - n - len(slots)
+        ctx.plan, ctx.sent, ctx.reduce_only = plan, len(inputs) - n - len(slots), False
         ctx.save_for_backward(*(t for (kind, _), t in zip(slots, extra) if kind in _SAVED))
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
         # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
@@ -789,6 +819,8 @@ class _GatherGroup(torch.autograd.Function):
         slots = plan.slots
         n = len(plan.layouts)
         head, none, sent = (None, None), [None] * n, [None] * ctx.sent  # (the plan, the counts)
+        if ctx.reduce_only:  # (`_ReduceOnly`)
+            grads = (None,) * n
         if not plan.sync:  # to the accumulators' .grad, unreduced (autograd sums them)
             return (*head, *none, *(grads[i] for _, i in slots), *sent)
         saved = iter(ctx.saved_tensors)
@@ -856,3 +888,23 @@ class _GatherGroup(torch.autograd.Function):
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece if trainable and (grad is not None or partial is not None) else None)
         return (*head, *result, *[None] * len(slots), *sent)
+
+
+class _ReduceOnly(_GatherGroup):
+    """`_GatherGroup` for a group whose forward did not run: its forward gathers nothing (an empty
+    stand-in per parameter), its backward is the same reduction, of the taken sums alone."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, plan: _Plan, counts: tuple[int, ...], *inputs: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        n, slots = len(plan.layouts), plan.slots
+        ctx.plan, ctx.sent = plan, len(inputs) - n - len(slots)
+        ctx.save_for_backward(
+            *(t for (kind, _), t in zip(slots, inputs[n : n + len(slots)]) if kind in _SAVED)
+        )
+        ctx.set_materialize_grads(False)
+        ctx.reduce_only = (
+            True  # (the stand-ins' gradients, None or empty where a trace makes them, add nothing)
+        )
+        return tuple(torch.empty(0, dtype=plan.param_dtype, device=plan.device) for _ in range(n))  # (plain)
