@@ -175,9 +175,9 @@ def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
             f"fully_shard: under torch.compile, the forward of {state.name()} took gradients that earlier "
             "backwards accumulated without sync (set_requires_gradient_sync(False)) or HSDP sums they "
             "deferred, for this backward to reduce, but its output holds no tensor that requires grad, "
-            "so this backward cannot reach them and they would be lost. Fix: return the output with its "
-            "autograd graph (not detached), or run this micro-batch eagerly (torch.compiler.set_stance"
-            '("force_eager")), or reduce first: module.reduce_grads()'
+            "so no backward reaches them: they are lost. Fix: return the output with its autograd graph "
+            "(not detached), or call module.reduce_grads() before this micro-batch, or run it eagerly "
+            '(torch.compiler.set_stance("force_eager")).'
         )
     tied = _Carry.apply(len(at), *(leaves[i] for i in at), *carried)
     for i, t in zip(at, tied):
@@ -275,8 +275,9 @@ def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
         fulls, carries = gather_group(group, reshard)
         gathered[key] = [p.view_as(p) for p in fulls]
         if carries:  # its backward must run: a handle for the root (`traced_post_forward`)
-            trainable = next(p for p in fulls if p.requires_grad)
-            gathered.setdefault("carrying", []).append(_Handle.apply(trainable))
+            trainable = next((p for p in fulls if p.requires_grad), None)  # (None: all frozen since,
+            if trainable is not None:  # whose sums the reduction drops, as eager's)
+                gathered.setdefault("carrying", []).append(_Handle.apply(trainable))
         done = True
     finally:
         gathered["gathering"] = None
