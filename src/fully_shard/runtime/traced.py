@@ -136,14 +136,11 @@ def _left_over(root: Any) -> list[torch.Tensor]:
     handles their gathers left, and with gradient sync, per group still holding sums of earlier
     backwards, a reduction of them in backward (`gather_group`, ``reduce_only``: nothing gathered)."""
     out: list[torch.Tensor] = []
+    grad = torch.is_grad_enabled()
     for under in root._traced_tree:
-        if under._traced_handles is not None:
-            out += under._traced_handles
-            under._traced_handles = None
-    if not torch.is_grad_enabled():
-        return out
-    for under in root._traced_tree:
-        for entry in under._traced_entries:
+        out += under._traced_handles or []
+        under._traced_handles = None
+        for entry in under._traced_entries if grad else ():
             group = BY_KEY[entry.group_key]()
             if _holds_sums(group):
                 out += gather_group(group, False, reduce_only=True)[0]
@@ -760,6 +757,16 @@ class _Rebuilt(torch.autograd.Function):
         return grad, None
 
 
+def _keep_for_backward(ctx: Any, plan: "_Plan", inputs: tuple, reduce_only: bool) -> None:
+    """What a gather's backward reads: the plan, how many tensors extensions sent, whether it only
+    reduces (`_ReduceOnly`), the sums it adds (saved, in slot order). An unused output's gradient
+    stays None (see backward)."""
+    n, slots = len(plan.layouts), plan.slots
+    ctx.plan, ctx.sent, ctx.reduce_only = plan, len(inputs) - n - len(slots), reduce_only
+    ctx.save_for_backward(*(t for (kind, _), t in zip(slots, inputs[n : n + len(slots)]) if kind in _SAVED))
+    ctx.set_materialize_grads(False)
+
+
 class _GatherGroup(torch.autograd.Function):
     """Forward: the eager all-gather's layout (each rank's padded shards, cast, end to end), one
     functional all-gather, each parameter cut out. Backward: the eager reduction.
@@ -775,15 +782,13 @@ class _GatherGroup(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         # inputs: the n local shards; the further inputs named by ``plan.slots`` (`gather_group`);
         # what extensions send (`_encode`). What backward adds (pending sums) is saved, in slot order.
-        n, slots = len(plan.layouts), plan.slots
-        shards, extra = inputs[:n], inputs[n : n + len(slots)]
-        ctx.plan, ctx.sent, ctx.reduce_only = plan, len(inputs) - n - len(slots), False
-        ctx.save_for_backward(*(t for (kind, _), t in zip(slots, extra) if kind in _SAVED))
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
+        n = len(plan.layouts)
+        shards = inputs[:n]
+        _keep_for_backward(ctx, plan, inputs, reduce_only=False)
         # an offloaded shard copied to the device (CPU mesh: no copy), cast to param_dtype
         if plan.extended:
             local = [t.to(plan.device, non_blocking=True) for t in shards]
-            outputs = _gather_encoded(plan, local, counts, inputs[n + len(slots) :])
+            outputs = _gather_encoded(plan, local, counts, inputs[n + len(plan.slots) :])
             ctx.mark_non_differentiable(*outputs[n:])
             return outputs
         shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
@@ -899,13 +904,6 @@ class _ReduceOnly(_GatherGroup):
     def forward(
         ctx: Any, plan: _Plan, counts: tuple[int, ...], *inputs: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        n, slots = len(plan.layouts), plan.slots
-        ctx.plan, ctx.sent = plan, len(inputs) - n - len(slots)
-        ctx.save_for_backward(
-            *(t for (kind, _), t in zip(slots, inputs[n : n + len(slots)]) if kind in _SAVED)
-        )
-        ctx.set_materialize_grads(False)
-        ctx.reduce_only = (
-            True  # (the stand-ins' gradients, None or empty where a trace makes them, add nothing)
-        )
+        _keep_for_backward(ctx, plan, inputs, reduce_only=True)  # (the stand-ins' gradients add nothing)
+        n = len(plan.layouts)
         return tuple(torch.empty(0, dtype=plan.param_dtype, device=plan.device) for _ in range(n))  # (plain)
