@@ -184,6 +184,9 @@ class FSDPParamGroup:
         # CPUOffloadPolicy on an accelerator: events after each asynchronous gradient copy to the host.
         self.offload_events: list[torch.Event] = []
         self.settings = Settings()  # the owning call's, frozen; its state hands it over
+        # Under torch.compile: the flag by which the next gather's backward that adds taken sums adds
+        # them once (traced._sums_once); made by set_requires_gradient_sync / set_requires_all_reduce.
+        self.traced_once: torch.Tensor | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParamGroup:
         if (

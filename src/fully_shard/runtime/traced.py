@@ -64,8 +64,9 @@ from .registry import BY_KEY, key_of, managed_by_id
 from .state import _cast_floats, fsdp_states
 
 _EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
-# what a further input of a traced gather is (`gather_group`'s slots); the sums backward adds are saved
-_ACCUMULATOR, _PENDING, _LEAF, _PARTIAL = range(4)
+# what a further input of a traced gather is (`gather_group`'s slots); the sums backward adds are
+# saved; `_ONCE`, a flag that backward adds them once (`_sums_once`)
+_ACCUMULATOR, _PENDING, _LEAF, _PARTIAL, _ONCE = range(5)
 _SAVED = (_PENDING, _PARTIAL)
 _C10D = torch.ops._c10d_functional
 _MARKED = threading.local()  # .states: the states whose modules `_set_functional` marked in this thread
@@ -450,6 +451,8 @@ def gather_group(
         partial = fp.take_partial_reduce() if takes_partial else None
         if partial is not None:
             found.append((_PARTIAL, i, partial))
+    if any(kind in _SAVED for kind, _, _ in found):
+        found.append((_ONCE, 0, _sums_once(group, plan.device)))
     extra = [t for _, _, t in found]
     n, plan.slots = len(params), tuple((kind, i) for kind, i, _ in found)
 
@@ -547,9 +550,29 @@ def prepare_deferred_all_reduce(state: Any) -> None:
     """Before a compiled backward that defers the HSDP all-reduce: every trainable parameter of
     ``state`` has its partial leaf (`FSDPParam.partial_leaf`, no memory)."""
     for group in state.own:
+        _new_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.partial_leaf(fp.dtypes.reduce)
+
+
+def _new_once(group: Any) -> None:
+    if group.traced_once is None:
+        group.traced_once = torch.ones((), dtype=torch.bool, device=group.info.device)
+
+
+def _sums_once(group: Any, device: torch.device) -> torch.Tensor:
+    """The flag by which a gather's backward adds the sums it took once: True until that backward
+    clears it, so a second backward through the same graph (``retain_graph=True``: several losses)
+    reduces only its own gradients, as eager's. Made outside any graph (`prepare_no_sync`,
+    `prepare_deferred_all_reduce`): a graph input, whose clearing in backward lasts (one made in a
+    graph would be cleared in that graph only); each forward that takes sums takes the group's
+    flag and leaves a new one for the next."""
+    once = group.traced_once
+    if once is None:  # (sums taken without either call made: not reached by the public methods)
+        once = torch.ones((), dtype=torch.bool, device=device)
+    group.traced_once = torch.ones((), dtype=torch.bool, device=device)
+    return once
 
 
 def _take_accumulated(fp: Any) -> Optional[torch.Tensor]:
@@ -565,6 +588,7 @@ def prepare_no_sync(state: Any) -> None:
     """Before a compiled micro-batch without gradient sync: every trainable parameter of ``state``
     has its unsharded ``nn.Parameter`` (a view of the freed gather buffer: no memory)."""
     for group in state.own:
+        _new_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.ensure_unsharded_param()
@@ -763,7 +787,10 @@ def _keep_for_backward(ctx: Any, plan: "_Plan", inputs: tuple, reduce_only: bool
     stays None (see backward)."""
     n, slots = len(plan.layouts), plan.slots
     ctx.plan, ctx.sent, ctx.reduce_only = plan, len(inputs) - n - len(slots), reduce_only
-    ctx.save_for_backward(*(t for (kind, _), t in zip(slots, inputs[n : n + len(slots)]) if kind in _SAVED))
+    further = inputs[n : n + len(slots)]
+    ctx.save_for_backward(*(t for (kind, _), t in zip(slots, further) if kind in _SAVED))
+    # not saved: its clearing in backward would fail the saved-tensor version check of a second one
+    ctx.once = next((t for (kind, _), t in zip(slots, further) if kind == _ONCE), None)
     ctx.set_materialize_grads(False)
 
 
@@ -837,7 +864,12 @@ class _GatherGroup(torch.autograd.Function):
                 pending[i] = next(saved)
             elif kind == _PARTIAL:
                 partials[i] = next(saved)
-        grads = tuple(g if p is None else p if g is None else p + g for g, p in zip(grads, pending))
+        once = _first_backward(ctx.once, grads)  # (None: nothing taken)
+        grads = tuple(
+            g if p is None else torch.where(once, p, 0) if g is None else torch.where(once, p + g, g)
+            for g, p in zip(grads, pending)
+        )
+        partials = [p if p is None else torch.where(once, p, 0) for p in partials]
         if all(g is None for g in grads) and not any(p is not None for p in partials):
             return (None,) * (2 + n + len(slots) + ctx.sent)
         dtype = plan.reduce_dtype
@@ -894,6 +926,21 @@ class _GatherGroup(torch.autograd.Function):
             # used-counts keep such a .grad as it was; so does None).
             result.append(piece if trainable and (grad is not None or partial is not None) else None)
         return (*head, *result, *[None] * len(slots), *sent)
+
+
+def _first_backward(once: Optional[torch.Tensor], grads: tuple) -> Optional[torch.Tensor]:
+    """Whether this is the first backward through the gather, so the sums it took are added
+    (`_sums_once`); the flag cleared for any later one. Read together with a gradient of this
+    backward (an empty slice of it, summed: always True), so that the partitioner cannot compute
+    the read in the forward graph, where the flag is always set. Without any gradient (a group
+    whose gathered parameters this forward did not use, `_ReduceOnly`) the read may land there:
+    a second backward then adds the sums again."""
+    if once is None:
+        return None
+    token = next((g for g in grads if g is not None), None)
+    first = once.clone() if token is None else once & (token.reshape(-1)[:0].sum() == 0)
+    once.fill_(False)
+    return first
 
 
 class _ReduceOnly(_GatherGroup):
