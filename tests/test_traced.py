@@ -702,9 +702,10 @@ def test_tensor_subclass_extension_compiled_equals_eager(ranks, kind, world_size
         # the numbers are bit-exact at world 1 and 2 and on the GPU (tests/test_gpu.py).
 
 
-def _graph_outputs() -> list[int]:
+def _graph_outputs() -> list[tuple[int, int]]:
     """The whole model compiled (``FSDPModule.compile``: the root's hooks in the graph), one
-    micro-batch without sync and one with: each dynamo graph's number of outputs."""
+    micro-batch without sync and one with: each dynamo graph's number of outputs with a shape, and
+    of 0-dim ones."""
     _fresh_compiler()
     rank, w = world()
     torch.manual_seed(0)
@@ -712,7 +713,9 @@ def _graph_outputs() -> list[int]:
     outputs = []
 
     def backend(gm, example_inputs):
-        outputs.append(len(next(n for n in gm.graph.nodes if n.op == "output").args[0]))
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        dims = [node.meta["example_value"].dim() for node in out]
+        outputs.append((sum(d > 0 for d in dims), sum(d == 0 for d in dims)))
         return gm.forward
 
     model.compile(backend=backend, fullgraph=True)
@@ -725,11 +728,13 @@ def _graph_outputs() -> list[int]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_no_gathered_parameter_leaves_the_graph(ranks, world_size):
-    """The logits are the graph's only output, with and without gradient sync: a gathered
-    parameter kept in a dict from before the graph became an output of the no-sync graph (alive
-    until the step's end; at world 1 views of one buffer, which torch 2.11 refuses to compile)."""
+    """The logits are the graph's only output with a shape, with and without gradient sync: a
+    gathered parameter kept in a dict from before the graph became an output of the no-sync graph
+    (alive until the step's end; at world 1 views of one buffer, which torch 2.11 refuses to
+    compile). The synced graph's 0-dim outputs: the next step's flag of each group whose sums it
+    took (`traced._sums_once`: the root's and the two blocks')."""
     for outputs in ranks(world_size).run(_graph_outputs):
-        assert outputs == [1, 1], outputs
+        assert outputs == [(1, 0), (1, 3)], outputs
 
 
 def _copy_without_accumulators() -> str:

@@ -451,15 +451,18 @@ def gather_group(
         partial = fp.take_partial_reduce() if takes_partial else None
         if partial is not None:
             found.append((_PARTIAL, i, partial))
-    if any(kind in _SAVED for kind, _, _ in found):
-        found.append((_ONCE, 0, _sums_once(group, plan.device)))
     extra = [t for _, _, t in found]
+    # The flag that backward adds those sums once, the last slot: not an input of the recomputed
+    # region (the checkpoint run eagerly saves its inputs, and a second backward would find it
+    # changed), but of the gather inside it.
+    once = _sums_once(group, plan.device) if any(kind in _SAVED for kind, _, _ in found) else None
+    found += [(_ONCE, 0, once)] if once is not None else []
     n, plan.slots = len(params), tuple((kind, i) for kind, i, _ in found)
 
     def gather(*inputs: Any) -> list[torch.Tensor]:
         # to_local's backward makes each local gradient a DTensor shard (an accumulator's: a
         # DTensor on the TP mesh, as eager's unsharded gradient)
-        local = [_local(t) for t in inputs]
+        local = [_local(t) for t in inputs] + ([once] if once is not None else [])
         if reduce_only:
             return list(_ReduceOnly.apply(plan, (), *local, *((None,) if len(local) == 2 else ())))
         encoded = _encode(plan, local[:n]) if plan.extended else []
@@ -564,10 +567,11 @@ def _new_once(group: Any) -> None:
 def _sums_once(group: Any, device: torch.device) -> torch.Tensor:
     """The flag by which a gather's backward adds the sums it took once: True until that backward
     clears it, so a second backward through the same graph (``retain_graph=True``: several losses)
-    reduces only its own gradients, as eager's. Made outside any graph (`prepare_no_sync`,
-    `prepare_deferred_all_reduce`): a graph input, whose clearing in backward lasts (one made in a
-    graph would be cleared in that graph only); each forward that takes sums takes the group's
-    flag and leaves a new one for the next."""
+    reduces only its own gradients, as eager's. Each forward that takes sums takes the group's flag
+    and leaves a new one for the next: a graph's output, read by the next graph as an input, whose
+    clearing in backward lasts (a flag made in the graph that reads it would be cleared in that
+    graph only). The first is made outside any graph (`prepare_no_sync`,
+    `prepare_deferred_all_reduce`)."""
     once = group.traced_once
     if once is None:  # (sums taken without either call made: not reached by the public methods)
         once = torch.ones((), dtype=torch.bool, device=device)
@@ -937,8 +941,15 @@ def _first_backward(once: Optional[torch.Tensor], grads: tuple) -> Optional[torc
     a second backward then adds the sums again."""
     if once is None:
         return None
-    token = next((g for g in grads if g is not None), None)
-    first = once.clone() if token is None else once & (token.reshape(-1)[:0].sum() == 0)
+    # a plain gradient first (an extension's may be a subclass, which the flag would become)
+    token = next(
+        (g for g in grads if type(g) is torch.Tensor), next((g for g in grads if g is not None), None)
+    )
+    if token is None:
+        first = once.clone()
+    else:
+        empty = token.narrow(0, 0, 0) if token.dim() else token.reshape(1)[:0]  # (a view: no copy)
+        first = once & (empty.sum() == 0)
     once.fill_(False)
     return first
 
