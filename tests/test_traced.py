@@ -859,9 +859,12 @@ def test_a_block_skipped_in_the_synced_micro_batch_gets_what_it_accumulated(rank
 
 
 # (form, HSDP deferral instead of no-sync, backend) per world size
-_TWICE = {1: [("method", False, "aot_eager")],
-          2: [("wrap", False, "aot_eager"), ("method", True, "aot_eager"), ("wrap", False, "inductor")],
-          4: [("method", False, "aot_eager"), ("wrap", True, "aot_eager")]}
+# (block 1 skipped as in `_SKIPS`, form, HSDP deferral, backend) per world size
+_TWICE = {1: [(None, "method", False, "aot_eager"), ("inside", "wrap", False, "aot_eager")],
+          2: [(None, "wrap", False, "aot_eager"), (None, "method", True, "aot_eager"),
+              (None, "wrap", False, "inductor"), ("outside", "method", False, "aot_eager"),
+              ("detached", "method", False, "aot_eager")],
+          4: [(None, "method", False, "aot_eager"), (None, "wrap", True, "aot_eager")]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -871,9 +874,9 @@ def test_a_second_backward_of_the_synced_micro_batch_adds_the_accumulated_sums_o
     gathers took are added by the first backward only, as eager's post-backward takes them once
     (was: saved in the graph and added by each backward, 4.0 off a float64 replica). Equal to
     eager to the bit (Inductor: both within TOL64 of the float64 replica)."""
-    for form, hsdp, backend in _TWICE[world_size]:
-        for r in ranks(world_size).run(_skipped_when_synced, None, form, hsdp, backend, True):
-            print(f"world {world_size} {form} hsdp={hsdp} {backend}: {r}")
+    for skip, form, hsdp, backend in _TWICE[world_size]:
+        for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp, backend, True):
+            print(f"world {world_size} {skip} {form} hsdp={hsdp} {backend}: {r}")
             assert (r["params_equal"] or backend == "inductor") and r["left"] == 0, r
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
 

@@ -184,15 +184,21 @@ def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
 
 
 class _Handle(torch.autograd.Function):
-    """An empty tensor whose backward reaches ``full`` (a gathered parameter) without keeping it."""
+    """An empty tensor whose backward reaches ``full`` (a gathered parameter) without keeping it,
+    handing it a zero of its shape made from the handle's gradient (`_Carry`: an empty view of the
+    root output's): the gather's backward then has a gradient of that backward to read its flag
+    with (`_first_backward`), even where the forward did not use the parameter."""
 
     @staticmethod
     def forward(ctx: Any, full: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype, ctx.plain = full.shape, full.dtype, type(full) is torch.Tensor
         return torch.empty(0, device=full.device)  # (plain: ``full`` may be an extension's subclass)
 
     @staticmethod
-    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> None:
-        return None
+    def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if grad is None or not ctx.plain:
+            return None
+        return grad.sum().to(ctx.dtype).expand(ctx.shape)  # (the sum of an empty tensor: 0, no memory)
 
 
 class _Carry(torch.autograd.Function):
@@ -202,12 +208,17 @@ class _Carry(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        ctx.rest = len(tensors) - count
+        ctx.rest = [t.dtype for t in tensors[count:]]  # (empty: handles, reduce-only stand-ins)
         return tuple(t.view_as(t) for t in tensors[:count])
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        return (None, *grads, *[None] * ctx.rest)
+        # the carried get an empty view of an output's gradient: a gradient of this backward
+        token = next((g for g in grads if g is not None), None)
+        if token is None:
+            return (None, *grads, *[None] * len(ctx.rest))
+        empty = (token.narrow(0, 0, 0) if token.dim() else token.reshape(1)[:0]).reshape(0)
+        return (None, *grads, *(empty.to(dtype) for dtype in ctx.rest))
 
 
 def _set_functional(state: Any, on: bool) -> None:
@@ -272,10 +283,11 @@ def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
         # saved for backward (AOTAutograd saves what one recomputed region hands the next).
         fulls, carries = gather_group(group, reshard)
         gathered[key] = [p.view_as(p) for p in fulls]
-        if carries:  # its backward must run: a handle for the root (`traced_post_forward`)
-            trainable = next((p for p in fulls if p.requires_grad), None)  # (None: all frozen since,
-            if trainable is not None:  # whose sums the reduction drops, as eager's)
-                gathered.setdefault("carrying", []).append(_Handle.apply(trainable))
+        # its backward must run: a handle for the root, on a parameter holding sums (not one frozen
+        # since: the reduction drops its sums, as eager's)
+        holder = next((fulls[i] for i in carries if fulls[i].requires_grad), None)
+        if holder is not None:
+            gathered.setdefault("carrying", []).append(_Handle.apply(holder))
         done = True
     finally:
         gathered["gathering"] = None
@@ -415,10 +427,11 @@ def _untraceable(state: Any) -> str:
 
 def gather_group(
     group: Any, reshard: bool | int, reduce_only: bool = False
-) -> tuple[list[torch.Tensor], bool]:
+) -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """The unsharded parameters of ``group``, gathered by one all-gather whose backward is the
     group's reduction (or, without gradient sync, the accumulation on the unsharded parameters),
-    and whether it took sums of earlier backwards, which only its backward reduces. ``reduce_only``:
+    and the indices of the parameters whose sums of earlier backwards it took, which only its
+    backward reduces. ``reduce_only``:
     nothing gathered (empty stand-ins, `_ReduceOnly`), the backward reduces only the sums taken.
     ``reshard``: recomputed in backward, not saved; an int ``k``: gathered in two stages, across
     the groups of ``k`` ranks then within one, the first stage's result saved and only the second
@@ -474,7 +487,7 @@ def gather_group(
         return [fp.where.tp.unsharded(t) if fp.where.tp is not None else t for fp, t in zip(params, fulls)]
 
     inputs = (*shards, *extra)
-    carries = any(kind in _SAVED for kind, _ in plan.slots)
+    carries = tuple(i for kind, i in plan.slots if kind in _SAVED)
     if not reshard:
         return gather(*inputs), carries
     from torch.utils.checkpoint import checkpoint
@@ -856,7 +869,8 @@ class _GatherGroup(torch.autograd.Function):
         slots = plan.slots
         n = len(plan.layouts)
         head, none, sent = (None, None), [None] * n, [None] * ctx.sent  # (the plan, the counts)
-        if ctx.reduce_only:  # (`_ReduceOnly`)
+        seen = grads  # (`_ReduceOnly`: its stand-ins' empty gradients, from `_Carry`, only seen)
+        if ctx.reduce_only:
             grads = (None,) * n
         if not plan.sync:  # to the accumulators' .grad, unreduced (autograd sums them)
             return (*head, *none, *(grads[i] for _, i in slots), *sent)
@@ -868,7 +882,7 @@ class _GatherGroup(torch.autograd.Function):
                 pending[i] = next(saved)
             elif kind == _PARTIAL:
                 partials[i] = next(saved)
-        once = _first_backward(ctx.once, grads)  # (None: nothing taken)
+        once = _first_backward(ctx.once, seen)  # (None: nothing taken)
         grads = tuple(
             g if p is None else torch.where(once, p, 0) if g is None else torch.where(once, p + g, g)
             for g, p in zip(grads, pending)
