@@ -202,8 +202,9 @@ class _Handle(torch.autograd.Function):
 
 
 class _Carry(torch.autograd.Function):
-    """Forward: the first ``count`` tensors, passed through. Backward: their gradients, and None for
-    the rest (gathered parameters), whose gathers' backwards thus run once their other uses' have."""
+    """Forward: the first ``count`` tensors, passed through. Backward: their gradients, and for the
+    rest (handles, reduce-only stand-ins: empty) an empty view of one of them, so their gathers'
+    backwards run, once their other uses' have, with a gradient of this backward."""
 
     @staticmethod
     def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -950,9 +951,10 @@ def _first_backward(once: Optional[torch.Tensor], grads: tuple) -> Optional[torc
     """Whether this is the first backward through the gather, so the sums it took are added
     (`_sums_once`); the flag cleared for any later one. Read together with a gradient of this
     backward (an empty slice of it, summed: always True), so that the partitioner cannot compute
-    the read in the forward graph, where the flag is always set. Without any gradient (a group
-    whose gathered parameters this forward did not use, `_ReduceOnly`) the read may land there:
-    a second backward then adds the sums again."""
+    the read in the forward graph, where the flag is always set. A group whose parameters the
+    forward did not use, or `_ReduceOnly`'s, gets one through its handle or stand-ins (`_Carry`);
+    without any (an extension's subclass parameter's handle) the read may land in the forward
+    graph, and a second backward adds the sums again."""
     if once is None:
         return None
     # a plain gradient first (an extension's may be a subclass, which the flag would become)
