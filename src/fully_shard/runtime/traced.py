@@ -196,7 +196,7 @@ class _Handle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if grad is None or not ctx.plain:
+        if type(grad) is not torch.Tensor or not ctx.plain:  # (None, or a DTensor: as before)
             return None
         return grad.sum().to(ctx.dtype).expand(ctx.shape)  # (the sum of an empty tensor: 0, no memory)
 
@@ -214,8 +214,9 @@ class _Carry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        # the carried get an empty view of an output's gradient: a gradient of this backward
-        token = next((g for g in grads if g is not None), None)
+        # the carried get an empty view of an output's gradient: a gradient of this backward (a
+        # plain one: a DTensor output's, e.g. loss-parallel logits, would meet plain tensors)
+        token = next((g for g in grads if type(g) is torch.Tensor), None)
         if token is None:
             return (None, *grads, *[None] * len(ctx.rest))
         empty = (token.narrow(0, 0, 0) if token.dim() else token.reshape(1)[:0]).reshape(0)
