@@ -470,7 +470,7 @@ def gather_group(
     # The flag that backward adds those sums once, the last slot: not an input of the recomputed
     # region (the checkpoint run eagerly saves its inputs, and a second backward would find it
     # changed), but of the gather inside it.
-    once = _sums_once(group, plan.device) if any(kind in _SAVED for kind, _, _ in found) else None
+    once = _sums_once(group) if any(kind in _SAVED for kind, _, _ in found) else None
     found += [(_ONCE, 0, once)] if once is not None else []
     n, plan.slots = len(params), tuple((kind, i) for kind, i, _ in found)
 
@@ -568,18 +568,18 @@ def prepare_deferred_all_reduce(state: Any) -> None:
     """Before a compiled backward that defers the HSDP all-reduce: every trainable parameter of
     ``state`` has its partial leaf (`FSDPParam.partial_leaf`, no memory)."""
     for group in state.own:
-        _new_once(group)
+        if group.traced_once is None:
+            group.traced_once = _new_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.partial_leaf(fp.dtypes.reduce)
 
 
-def _new_once(group: Any) -> None:
-    if group.traced_once is None:
-        group.traced_once = torch.ones((), dtype=torch.bool, device=group.info.device)
+def _new_once(group: Any) -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device=group.info.device)
 
 
-def _sums_once(group: Any, device: torch.device) -> torch.Tensor:
+def _sums_once(group: Any) -> torch.Tensor:
     """The flag by which a gather's backward adds the sums it took once: True until that backward
     clears it, so a second backward through the same graph (``retain_graph=True``: several losses)
     reduces only its own gradients, as eager's. Each forward that takes sums takes the group's flag
@@ -589,8 +589,8 @@ def _sums_once(group: Any, device: torch.device) -> torch.Tensor:
     `prepare_deferred_all_reduce`)."""
     once = group.traced_once
     if once is None:  # (sums taken without either call made: not reached by the public methods)
-        once = torch.ones((), dtype=torch.bool, device=device)
-    group.traced_once = torch.ones((), dtype=torch.bool, device=device)
+        once = _new_once(group)
+    group.traced_once = _new_once(group)
     return once
 
 
@@ -607,7 +607,8 @@ def prepare_no_sync(state: Any) -> None:
     """Before a compiled micro-batch without gradient sync: every trainable parameter of ``state``
     has its unsharded ``nn.Parameter`` (a view of the freed gather buffer: no memory)."""
     for group in state.own:
-        _new_once(group)
+        if group.traced_once is None:
+            group.traced_once = _new_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.ensure_unsharded_param()
