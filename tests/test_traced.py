@@ -758,8 +758,13 @@ def test_accumulating_without_an_unsharded_parameter_is_refused_with_the_fix(ran
 
 
 class _MaybeSkipped(torch.nn.Linear):
+    breaks = False  # a graph break in the forward (`_Skippable(breaks=True)`)
+
     def forward(self, x, skip=None):
-        return x if skip == "inside" else x.detach() if skip == "detached" else torch.tanh(super().forward(x))
+        y = x if skip == "inside" else x.detach() if skip == "detached" else torch.tanh(super().forward(x))
+        if self.breaks:
+            torch._dynamo.graph_break()  # (a no-op in eager)
+        return y
 
 
 class _Skippable(torch.nn.Module):
@@ -767,10 +772,12 @@ class _Skippable(torch.nn.Module):
     ("inside", a branch not taken; "detached", returning its input detached) or is never called
     ("outside", layer drop)."""
 
-    def __init__(self):
+    def __init__(self, breaks=False):
         super().__init__()
         self.layers = torch.nn.ModuleList(_MaybeSkipped(6, 6) for _ in range(3))
         self.head = torch.nn.Linear(6, 1)
+        for layer in self.layers:
+            layer.breaks = breaks
 
     def forward(self, x, skip=None):
         for i, layer in enumerate(self.layers):
@@ -787,7 +794,10 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
     (``form``: "wrap", torch.compile(model); "method", model.compile()) against ours eager and an
     unsharded float64 replica. Eager reduces what block 1 accumulated at the end of the synced
     backward; so must the compiled step. ``backend``: "aot_eager" or "inductor". ``twice``: the
-    synced micro-batch's loss goes backward twice (``retain_graph=True``, as two losses would)."""
+    synced micro-batch's loss goes backward twice (``retain_graph=True``, as two losses would).
+    ``form`` "break": torch.compile(model) without fullgraph, a graph break in each block's forward
+    (the step compiled in pieces)."""
+    from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
     from fully_shard import fully_shard
@@ -796,7 +806,7 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
     rank, w = world()
     mesh = init_device_mesh("cpu", (2, w // 2), mesh_dim_names=("replicate", "shard")) if hsdp else cpu_mesh()
     torch.manual_seed(0)
-    ref = _Skippable().double()
+    ref = _Skippable(breaks=form == "break").double()
     eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
     for model in (eager, compiled):
         for layer in model.layers:
@@ -805,6 +815,8 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
     if form == "method":
         compiled.compile(backend=backend, fullgraph=True)
         fn = compiled
+    elif form == "break":
+        fn = torch.compile(compiled, backend=backend)
     else:
         fn = torch.compile(compiled, backend=backend, fullgraph=True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, eager, compiled)]
@@ -831,6 +843,7 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
         "eager_vs_float64": max_param_diff(eager, ref),
         "left": sum(fp.partial_reduce is not None or (fp.unsharded_param is not None
                                                      and fp.unsharded_param.grad is not None) for fp in fps),
+        "breaks": sum(counters["graph_break"].values()),
     }
 
 
@@ -878,6 +891,25 @@ def test_a_second_backward_of_the_synced_micro_batch_adds_the_accumulated_sums_o
         for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp, backend, True):
             print(f"world {world_size} {skip} {form} hsdp={hsdp} {backend}: {r}")
             assert (r["params_equal"] or backend == "inductor") and r["left"] == 0, r
+            assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
+
+
+# (block 1 skipped as in `_SKIPS`, HSDP deferral) per world size
+_BROKEN = {1: [(None, False), ("inside", False)], 2: [("outside", True), ("detached", False)],
+           4: [(None, False)]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_graph_breaks_in_the_blocks_accumulate_and_go_backward_twice_as_eager(ranks, world_size):
+    """The step compiled in pieces (torch.compile(model) without fullgraph, a graph break in each
+    block's forward), micro-batches without sync (or deferring the HSDP all-reduce), then a synced
+    one skipping block 1 or not, whose loss goes backward twice: equal to eager to the bit, nothing
+    left accumulated (at 174ba6d, before the once-flag: 1.6 off a float64 replica at world 1)."""
+    for skip, hsdp in _BROKEN[world_size]:
+        for r in ranks(world_size).run(_skipped_when_synced, skip, "break", hsdp, "aot_eager", True):
+            print(f"world {world_size} {skip} hsdp={hsdp}: {r}")
+            assert r["breaks"] > 0, r  # (the graph breaks took place: dynamo's count, not ours)
+            assert r["params_equal"] and r["left"] == 0, r
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
 
 
