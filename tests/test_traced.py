@@ -790,13 +790,16 @@ class _Skippable(torch.nn.Module):
 def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str = "aot_eager",
                          twice: bool = False) -> dict:
     """Two steps of two micro-batches, the first without gradient sync (``hsdp``: with the HSDP
-    all-reduce deferred instead), the second skipping block 1 (`_Skippable`): ours compiled whole
-    (``form``: "wrap", torch.compile(model); "method", model.compile()) against ours eager and an
+    all-reduce deferred instead), the second skipping block 1 (`_Skippable`): ours compiled
+    (``form``: whole, "wrap", torch.compile(model), "method", model.compile(); or in pieces,
+    "break", below) against ours eager and an
     unsharded float64 replica. Eager reduces what block 1 accumulated at the end of the synced
     backward; so must the compiled step. ``backend``: "aot_eager" or "inductor". ``twice``: the
     synced micro-batch's loss goes backward twice (``retain_graph=True``, as two losses would).
-    ``form`` "break": torch.compile(model) without fullgraph, a graph break in each block's forward
-    (the step compiled in pieces)."""
+    ``form`` "break": torch.compile(model) without fullgraph, a graph break in each block's forward:
+    dynamo (2.13) runs the root's forward frame eagerly (a break inside its loop) and compiles the
+    root's call with its hooks and each block's call as frames of their own, each block's in two
+    graphs."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -902,7 +905,8 @@ _BROKEN = {1: [(None, False), ("inside", False)], 2: [("outside", True), ("detac
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_graph_breaks_in_the_blocks_accumulate_and_go_backward_twice_as_eager(ranks, world_size):
     """The step compiled in pieces (torch.compile(model) without fullgraph, a graph break in each
-    block's forward), micro-batches without sync (or deferring the HSDP all-reduce), then a synced
+    block's forward: the root's forward frame eager, its hooks and each block's call compiled on
+    their own, `_skipped_when_synced`), micro-batches without sync (or deferring the HSDP all-reduce), then a synced
     one skipping block 1 or not, whose loss goes backward twice: equal to eager to the bit, nothing
     left accumulated (at 174ba6d, before the once-flag: 1.6 off a float64 replica at world 1)."""
     for skip, hsdp in _BROKEN[world_size]:
