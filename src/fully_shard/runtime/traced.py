@@ -288,7 +288,8 @@ def _gathered(state: Any, key: int) -> Optional[list[torch.Tensor]]:
         # its backward must run: a handle for the root, on a parameter holding sums (not one frozen
         # since: the reduction drops its sums, as eager's)
         holder = next((fulls[i] for i in carries if fulls[i].requires_grad), None)
-        if holder is not None:
+        if holder is not None:  # (a TP parameter's by its local view: a plain zero reaches it)
+            holder = holder.to_local() if isinstance(holder, DTensor) else holder
             gathered.setdefault("carrying", []).append(_Handle.apply(holder))
         done = True
     finally:
