@@ -184,7 +184,8 @@ def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
 
 
 class _Handle(torch.autograd.Function):
-    """An empty tensor whose backward reaches ``full`` (a gathered parameter) without keeping it,
+    """An empty tensor whose backward reaches ``full`` (a gathered parameter; a TP parameter's local
+    view) without keeping it,
     handing it a zero of its shape made from the handle's gradient (`_Carry`: an empty view of the
     root output's): the gather's backward then has a gradient of that backward to read its flag
     with (`_first_backward`), even where the forward did not use the parameter."""
