@@ -908,13 +908,15 @@ def test_a_second_backward_of_the_synced_micro_batch_adds_the_accumulated_sums_o
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
 
 
+_BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
 # (block 1 skipped as in `_SKIPS`, form) per world size
 _TP_TWICE = {1: [("inside", "method")], 2: [("inside", "wrap"), ("detached", "method")],
              4: [("inside", "method"), ("outside", "wrap")]}
 
 
 @pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    _BEFORE_2_13,
     reason="before torch 2.13 (seen on 2.11) dynamo fails building the guards of a module both "
     "parallelize_module and fully_shard hooked (AttributeError: 'function' object has no attribute "
     "'hook'; docs/compile.md)",
@@ -1056,7 +1058,7 @@ def _inductor_collectives(collectives: str) -> dict:
 
 
 @pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    _BEFORE_2_13,
     reason="torch 2.11's Inductor allocates the float64 CPU attention backward's logsumexp in float32 "
     "(the plain model, no fully_shard, fails the same: 'expected scalar type Double but found Float')",
 )

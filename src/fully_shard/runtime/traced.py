@@ -197,7 +197,7 @@ class _Handle(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if type(grad) is not torch.Tensor or not ctx.plain:  # (None, or a DTensor: as before)
+        if grad is None or not ctx.plain:  # (`_Carry` hands plain or None; an extension's subclass: None)
             return None
         return grad.sum().to(ctx.dtype).expand(ctx.shape)  # (the sum of an empty tensor: 0, no memory)
 
@@ -570,8 +570,7 @@ def prepare_deferred_all_reduce(state: Any) -> None:
     """Before a compiled backward that defers the HSDP all-reduce: every trainable parameter of
     ``state`` has its partial leaf (`FSDPParam.partial_leaf`, no memory)."""
     for group in state.own:
-        if group.traced_once is None:
-            group.traced_once = _new_once(group)
+        _ensure_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.partial_leaf(fp.dtypes.reduce)
@@ -579,6 +578,11 @@ def prepare_deferred_all_reduce(state: Any) -> None:
 
 def _new_once(group: Any) -> torch.Tensor:
     return torch.ones((), dtype=torch.bool, device=group.info.device)
+
+
+def _ensure_once(group: Any) -> None:
+    if group.traced_once is None:
+        group.traced_once = _new_once(group)
 
 
 def _sums_once(group: Any) -> torch.Tensor:
@@ -609,8 +613,7 @@ def prepare_no_sync(state: Any) -> None:
     """Before a compiled micro-batch without gradient sync: every trainable parameter of ``state``
     has its unsharded ``nn.Parameter`` (a view of the freed gather buffer: no memory)."""
     for group in state.own:
-        if group.traced_once is None:
-            group.traced_once = _new_once(group)
+        _ensure_once(group)
         for fp in group.params:
             if fp.requires_grad:
                 fp.ensure_unsharded_param()
