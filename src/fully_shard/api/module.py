@@ -503,9 +503,30 @@ class _ForwardMethod:
 def _sharded_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):  # a class that carries the methods itself (FSDP1's wrapper)
         return cls
-    return type(
-        f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__, "_fsdp_original_class": cls}
+    return _ending_traced_forward(
+        type(
+            f"FSDP{cls.__name__}",
+            (FSDPModule, cls),
+            {"__module__": cls.__module__, "_fsdp_original_class": cls},
+        )
     )
+
+
+def _ending_traced_forward(new: type) -> type:
+    """``new`` whose forward is its class's, then, in a trace, `traced.forward_returned`: under
+    ``torch.compile(model)`` the root's hooks and its forward are frames of their own, and the
+    parameters its forward gathered, still held on its state when that frame ends, would leave
+    the graph as outputs (a DTensor or tensor-subclass one then fails AOTAutograd's backward)."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        output = super(new, self).forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            traced.forward_returned(self.__dict__["_fsdp_state"])
+        return output
+
+    functools.update_wrapper(forward, new.forward)  # (what inspect.signature reads: the module's own)
+    new.forward = forward
+    return new
 
 
 class ReplicateModule(FSDPModule):
@@ -517,7 +538,7 @@ def _replicated_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
     attrs = {"__module__": cls.__module__, "_fsdp_original_class": cls}
-    return type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs)
+    return _ending_traced_forward(type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs))
 
 
 def _check_codec_args(codec: Any, params: Any) -> None:

@@ -132,6 +132,15 @@ def traced_post_forward(
     return _carry(state, output, handles) if handles else output
 
 
+def forward_returned(state: Any) -> None:
+    """A traced forward of ``state``'s module returned (`api.module._ending_traced_forward`): what
+    it gathered is dropped in its frame, the handles kept for its post-forward hook (which may run
+    in a frame of its own)."""
+    gathered = state._traced
+    if gathered is not None:
+        state._traced = {"carrying": gathered["carrying"]} if "carrying" in gathered else None
+
+
 def _left_over(root: Any) -> list[torch.Tensor]:
     """At the end of the root's forward, for the states under it (`install`'s ``tree``): the
     handles their gathers left, and with gradient sync, per group still holding sums of earlier
@@ -185,19 +194,20 @@ def _carry(state: Any, output: Any, carried: list[torch.Tensor]) -> Any:
 
 class _Handle(torch.autograd.Function):
     """An empty tensor whose backward reaches ``full`` (a gathered parameter; a TP parameter's local
-    view) without keeping it,
-    handing it a zero of its shape made from the handle's gradient (`_Carry`: an empty view of the
-    root output's): the gather's backward then has a gradient of that backward to read its flag
-    with (`_first_backward`), even where the forward did not use the parameter."""
+    view; an extension's rebuilt tensor subclass) without keeping it, handing it a plain zero of its
+    shape made from the handle's gradient (`_Carry`: an empty view of the root output's): the
+    gather's backward then has a gradient of that backward to read its flag with
+    (`_first_backward`), even where the forward did not use the parameter. (A subclass's gradient
+    goes to its gather's stand-in as it is: `_Rebuilt`.)"""
 
     @staticmethod
     def forward(ctx: Any, full: torch.Tensor) -> torch.Tensor:
-        ctx.shape, ctx.dtype, ctx.plain = full.shape, full.dtype, type(full) is torch.Tensor
+        ctx.shape, ctx.dtype = full.shape, full.dtype
         return torch.empty(0, device=full.device)  # (plain: ``full`` may be an extension's subclass)
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if grad is None or not ctx.plain:  # (`_Carry` hands plain or None; an extension's subclass: None)
+        if grad is None:  # (`_Carry` hands plain or None)
             return None
         return grad.sum().to(ctx.dtype).expand(ctx.shape)  # (the sum of an empty tensor: 0, no memory)
 
@@ -216,12 +226,18 @@ class _Carry(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
         # the carried get an empty view of an output's gradient: a gradient of this backward (a
-        # plain one: a DTensor output's, e.g. loss-parallel logits, would meet plain tensors)
-        token = next((g for g in grads if type(g) is torch.Tensor), None)
+        # plain one: a DTensor output's, e.g. loss-parallel logits, by its local tensor)
+        token = next((t for t in map(_plain_or_none, grads) if t is not None), None)
         if token is None:
             return (None, *grads, *[None] * len(ctx.rest))
         empty = (token.narrow(0, 0, 0) if token.dim() else token.reshape(1)[:0]).reshape(0)
         return (None, *grads, *(empty.to(dtype) for dtype in ctx.rest))
+
+
+def _plain_or_none(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``grad`` if plain, a DTensor's local tensor if that is plain, else None (another subclass)."""
+    grad = grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad if type(grad) is torch.Tensor else None
 
 
 def _set_functional(state: Any, on: bool) -> None:
