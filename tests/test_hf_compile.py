@@ -126,3 +126,32 @@ def test_transformers_llama_compiled_whole_equals_eager(ranks, form, world_size,
         assert r["saved_full_params"] == (1 if collectives else 0), r
         assert r["equal"] and r["tied"], r
         assert r["reference_diff"] <= TOL64, r
+
+
+def _checkpointed_calls() -> list[int]:
+    """Calls of each decoder layer's MLP in one forward and after its backward, transformers'
+    gradient checkpointing on, each layer and the root sharded (eager)."""
+    from fully_shard import fully_shard
+
+    rank, w = world()
+    model = _hf_llama(checkpointing="hf")
+    calls: list[int] = []
+    for layer in model.model.layers:
+        layer.mlp.register_forward_pre_hook(lambda module, args: calls.append(1))
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    ids = torch.randint(0, 128, (2 * w, 16), generator=torch.Generator().manual_seed(0))
+    loss = _loss(model, ids.chunk(w)[rank])
+    forward = len(calls)
+    loss.backward()
+    return [forward, len(calls)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_transformers_gradient_checkpointing_recomputes_each_sharded_layer(ranks, world_size):
+    """transformers wraps each ``GradientCheckpointingLayer`` subclass's forward, the class
+    ``fully_shard`` makes included, and checkpoints in the outermost wrapper only: the class's own
+    forward must be wrapped, not set over the wrapper (7f891c9 did: no layer recomputed, nothing
+    said). Each of the two layers' MLP runs once in forward and once more in backward."""
+    for r in ranks(world_size).run(_checkpointed_calls):
+        assert r == [2, 4], r

@@ -503,30 +503,34 @@ class _ForwardMethod:
 def _sharded_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):  # a class that carries the methods itself (FSDP1's wrapper)
         return cls
-    return _ending_traced_forward(
-        type(
-            f"FSDP{cls.__name__}",
-            (FSDPModule, cls),
-            {"__module__": cls.__module__, "_fsdp_original_class": cls},
-        )
-    )
+    name = f"FSDP{cls.__name__}"
+    attrs = {
+        "__module__": cls.__module__,
+        "_fsdp_original_class": cls,
+        "forward": _ending_traced_forward(cls, name),
+    }
+    return type(name, (FSDPModule, cls), attrs)
 
 
-def _ending_traced_forward(new: type) -> type:
-    """``new`` whose forward is its class's, then, in a trace, `traced.forward_returned`: under
-    ``torch.compile(model)`` the root's hooks and its forward are frames of their own, and the
-    parameters its forward gathered, still held on its state when that frame ends, would leave
-    the graph as outputs (a DTensor or tensor-subclass one then fails AOTAutograd's backward)."""
+def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:
+    """A forward for the class `fully_shard` gives a ``cls`` module: ``cls``'s, then, in a trace,
+    `traced.forward_returned`: under ``torch.compile(model)`` the root's hooks and its forward are
+    frames of their own, and the parameters its forward gathered, still held on its state when
+    that frame ends, would leave the graph as outputs (a DTensor or tensor-subclass one then fails
+    AOTAutograd's backward). In the class's namespace, so that a base class wrapping its
+    subclasses' forward (transformers' gradient checkpointing layers) wraps this one; a code
+    object of its own, so that dynamo keeps each class's compiled frames apart (its cache and
+    recompile limit are per code object); ``inspect.signature`` reads ``cls``'s."""
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        output = super(new, self).forward(*args, **kwargs)
+        output = super(FSDPModule, self).forward(*args, **kwargs)
         if torch.compiler.is_compiling():
             traced.forward_returned(self.__dict__["_fsdp_state"])
         return output
 
-    functools.update_wrapper(forward, new.forward)  # (what inspect.signature reads: the module's own)
-    new.forward = forward
-    return new
+    functools.update_wrapper(forward, cls.forward)
+    forward.__code__ = forward.__code__.replace(co_qualname=f"{name}.forward")
+    return forward
 
 
 class ReplicateModule(FSDPModule):
@@ -537,8 +541,13 @@ class ReplicateModule(FSDPModule):
 def _replicated_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
-    attrs = {"__module__": cls.__module__, "_fsdp_original_class": cls}
-    return _ending_traced_forward(type(f"Replicate{cls.__name__}", (ReplicateModule, cls), attrs))
+    name = f"Replicate{cls.__name__}"
+    attrs = {
+        "__module__": cls.__module__,
+        "_fsdp_original_class": cls,
+        "forward": _ending_traced_forward(cls, name),
+    }
+    return type(name, (ReplicateModule, cls), attrs)
 
 
 def _check_codec_args(codec: Any, params: Any) -> None:

@@ -133,11 +133,13 @@ def traced_post_forward(
 
 
 def forward_returned(state: Any) -> None:
-    """A traced forward of ``state``'s module returned (`api.module._ending_traced_forward`): what
-    it gathered is dropped in its frame, the handles kept for its post-forward hook (which may run
-    in a frame of its own)."""
+    """A traced forward of ``state``'s module returned (`api.module._ending_traced_forward`): a
+    root's gathered parameters are dropped in its frame, the handles kept for its post-forward
+    hook (which may run in a frame of its own). A nested module's post-forward hook runs in the
+    frame of its call (and its forward may be a checkpointed region, which must not write the
+    state): nothing done."""
     gathered = state._traced
-    if gathered is not None:
+    if gathered is not None and not state.nested:
         state._traced = {"carrying": gathered["carrying"]} if "carrying" in gathered else None
 
 
