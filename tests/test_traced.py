@@ -849,8 +849,8 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
     rank at world 1 and 2: only world 4 reduces across data-parallel ranks). ``ext``: each block's
     weight a `_Wrapped` (an all-gather extension's tensor subclass; its gradient plain).
     ``dtensor_out``: the head row-wise tensor-parallel over the tp ranks of ``tp``'s mesh, its
-    output kept a DTensor (as loss parallel's logits): the root's output is a DTensor, whose
-    gradient reaches the root's tie as a DTensor (the blocks not tensor-parallel)."""
+    output kept a DTensor (Replicate; loss parallel's logits are Shard(-1)): the root's output is
+    a DTensor, whose gradient reaches the root's tie as a DTensor (the blocks not tensor-parallel)."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -995,7 +995,7 @@ def test_a_second_backward_adds_the_sums_of_an_unused_tensor_parallel_block_once
 
 # (block 1 skipped as in `_SKIPS`, form, HSDP deferral) per world size
 _EXT_TWICE = {1: [("inside", "method", False)], 2: [("inside", "wrap", False), ("detached", "method", True)],
-              4: [("outside", "method", False), ("inside", "wrap", True)]}
+              4: [("detached", "method", False), ("inside", "wrap", True)]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -1021,8 +1021,8 @@ _DTENSOR_OUT = {1: [("inside", "method", True), ("outside", "wrap", False)],
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_dtensor_root_output_reduces_what_a_skipped_block_accumulated_once(ranks, world_size):
-    """The root's output a DTensor (its head row-wise tensor-parallel, the output kept a DTensor, as
-    loss parallel's logits; the root's head weight and bias DTensors on the (dp, tp) mesh), a block
+    """The root's output a DTensor (its head row-wise tensor-parallel, the output kept a DTensor,
+    Replicate; the root's head weight and bias DTensors on the (dp, tp) mesh), a block
     skipped in the synced micro-batch after one without sync: its sums reduced once, also when the
     loss goes backward twice (was: the root's tie found no plain gradient and handed the handles
     none, the flag was read in the forward graph: 0.16 off eager at world 4), and under
