@@ -783,6 +783,9 @@ class _Wrapped(torch.Tensor):
         out = func(*args, **kwargs)
         return tree_map_only(torch.Tensor, _Wrapped, out) if func in cls._KEEP else out
 
+    def __repr__(self):  # (torch 2.11's AOTAutograd logs its metadata: the default repr reads values)
+        return f"_Wrapped({self._data!r})"
+
     def __tensor_flatten__(self):
         return ["_data"], None
 
