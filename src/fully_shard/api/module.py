@@ -503,13 +503,17 @@ class _ForwardMethod:
 def _sharded_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):  # a class that carries the methods itself (FSDP1's wrapper)
         return cls
-    name = f"FSDP{cls.__name__}"
+    return _mixed_class("FSDP", FSDPModule, cls)
+
+
+def _mixed_class(prefix: str, mixin: type, cls: type) -> type:
+    name = f"{prefix}{cls.__name__}"
     attrs = {
         "__module__": cls.__module__,
         "_fsdp_original_class": cls,
         "forward": _ending_traced_forward(cls, name),
     }
-    return type(name, (FSDPModule, cls), attrs)
+    return type(name, (mixin, cls), attrs)
 
 
 def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:
@@ -541,13 +545,7 @@ class ReplicateModule(FSDPModule):
 def _replicated_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
-    name = f"Replicate{cls.__name__}"
-    attrs = {
-        "__module__": cls.__module__,
-        "_fsdp_original_class": cls,
-        "forward": _ending_traced_forward(cls, name),
-    }
-    return type(name, (ReplicateModule, cls), attrs)
+    return _mixed_class("Replicate", ReplicateModule, cls)
 
 
 def _check_codec_args(codec: Any, params: Any) -> None:
