@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import sys
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -533,7 +534,10 @@ def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:
         return output
 
     functools.update_wrapper(forward, cls.forward)
-    forward.__code__ = forward.__code__.replace(co_qualname=f"{name}.forward")
+    code = forward.__code__  # (co_qualname: Python 3.11+; replace() makes a new code object either way)
+    forward.__code__ = (
+        code.replace(co_qualname=f"{name}.forward") if sys.version_info >= (3, 11) else code.replace()
+    )
     return forward
 
 
