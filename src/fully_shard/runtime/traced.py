@@ -238,8 +238,8 @@ class _Carry(torch.autograd.Function):
 
 def _plain_or_none(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``grad`` if plain, a DTensor's local tensor if that is plain, else None (another subclass)."""
-    grad = grad.to_local() if isinstance(grad, DTensor) else grad
-    return grad if type(grad) is torch.Tensor else None
+    local = _local(grad)
+    return local if type(local) is torch.Tensor else None
 
 
 def _set_functional(state: Any, on: bool) -> None:
