@@ -836,7 +836,7 @@ class _Skippable(torch.nn.Module):
 
 
 def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str = "aot_eager",
-                         twice: bool = False, tp: bool = False, ext: bool = False, dtensor_out: bool = False) -> dict:
+                         twice: bool = False, tp: str = "", ext: bool = False, dtensor_out: str = "") -> dict:
     """Two steps of two micro-batches, the first without gradient sync (``hsdp``: with the HSDP
     all-reduce deferred instead), the second skipping block 1 (`_Skippable`): ours compiled
     (``form``: whole, "wrap", torch.compile(model), "method", model.compile(); or in pieces,
@@ -847,17 +847,18 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
     ``form`` "break": torch.compile(model) without fullgraph, a graph break in each block's forward:
     dynamo (2.13) runs the root's forward frame eagerly (a break inside its loop) and compiles the
     root's call with its hooks and each block's call as frames of their own, each block's in two
-    graphs. ``tp``: each block's Linear tensor-parallel (column-wise, its output replicated) over
-    2 ranks (1 at world 1), sharded over the rest: DTensor parameters on a (dp, tp) mesh (dp of one
-    rank at world 1 and 2: only world 4 reduces across data-parallel ranks). ``ext``: each block's
-    weight a `_Wrapped` (an all-gather extension's tensor subclass; its gradient plain).
-    ``dtensor_out``: the head row-wise tensor-parallel over the tp ranks of ``tp``'s mesh, its
-    output kept a DTensor (Replicate; loss parallel's logits are Shard(-1)): the root's output is
-    a DTensor, whose gradient reaches the root's tie as a DTensor (the blocks not tensor-parallel)."""
+    graphs. ``tp``: each block's Linear tensor-parallel ("colwise": its output replicated;
+    "rowwise": its input replicated, then sharded, its bias a Replicate DTensor whose gradient is
+    summed from Partial) over 2 ranks (1 at world 1), sharded over the rest: DTensor parameters on a
+    (dp, tp) mesh (dp of one rank at world 1 and 2: only world 4 reduces across data-parallel
+    ranks). ``ext``: each block's weight a `_Wrapped` (an all-gather extension's tensor subclass;
+    its gradient plain). ``dtensor_out``: the head tensor-parallel over the tp ranks of ``tp``'s
+    mesh, its output kept a DTensor: "Replicate" (row-wise) or "Shard(-1)" (column-wise, 4
+    outputs: loss parallel's logits); the root's output (their sum) is a DTensor, whose gradient
+    reaches the root's tie as a DTensor (the blocks not tensor-parallel)."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from fully_shard import fully_shard
@@ -872,17 +873,22 @@ def _skipped_when_synced(skip: str | None, form: str, hsdp: bool, backend: str =
         mesh, dp, dp_rank = mesh_2d["dp"], max(w // 2, 1), mesh_2d.get_local_rank(0)
     torch.manual_seed(0)
     ref = _Skippable(breaks=form == "break").double()
+    if dtensor_out == "Shard(-1)":
+        ref.head = torch.nn.Linear(6, 4, dtype=torch.float64)
     for layer in ref.layers if ext else ():
         layer.weight = torch.nn.Parameter(_Wrapped(layer.weight.detach().clone()))
     eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
     for model in (eager, compiled):
         for layer in model.layers:
             if tp:
-                parallelize_module(layer, mesh_2d["tp"], ColwiseParallel(output_layouts=Replicate()))
+                style = ColwiseParallel(output_layouts=Replicate()) if tp == "colwise" else RowwiseParallel(
+                    input_layouts=Replicate(), output_layouts=Replicate())
+                parallelize_module(layer, mesh_2d["tp"], style)
             fully_shard(layer, mesh=mesh)
         if dtensor_out:
-            parallelize_module(model.head, mesh_2d["tp"], RowwiseParallel(input_layouts=Replicate(),
-                                                                          use_local_output=False))
+            head = (RowwiseParallel(input_layouts=Replicate(), use_local_output=False) if dtensor_out == "Replicate"
+                    else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+            parallelize_module(model.head, mesh_2d["tp"], head)
         fully_shard(model, mesh=mesh)
     if form == "method":
         compiled.compile(backend=backend, fullgraph=True)
@@ -970,16 +976,10 @@ def test_a_second_backward_of_the_synced_micro_batch_adds_the_accumulated_sums_o
 _BEFORE_2_13 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
 
 # (block 1 skipped as in `_SKIPS`, form) per world size
-_TP_TWICE = {1: [("inside", "method")], 2: [("inside", "wrap"), ("detached", "method")],
-             4: [("inside", "method"), ("outside", "wrap")]}
+_TP_TWICE = {1: [("inside", "method", "colwise")], 2: [("inside", "wrap", "colwise"), ("detached", "method", "rowwise")],
+             4: [("inside", "method", "rowwise"), ("outside", "wrap", "colwise")]}
 
 
-@pytest.mark.skipif(
-    _BEFORE_2_13,
-    reason="before torch 2.13 (seen on 2.11) dynamo fails building the guards of a module both "
-    "parallelize_module and fully_shard hooked (AttributeError: 'function' object has no attribute "
-    "'hook'; docs/compile.md)",
-)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_second_backward_adds_the_sums_of_an_unused_tensor_parallel_block_once(ranks, world_size):
     """As the test above, with each block tensor-parallel (DTensor parameters on a (dp, tp)
@@ -987,13 +987,42 @@ def test_a_second_backward_adds_the_sums_of_an_unused_tensor_parallel_block_once
     accumulated once (was: its handle, on a DTensor parameter, handed its gather no gradient, the
     flag was read in the forward graph and the second backward added the sums again: 0.42 off
     eager at world 1 and 2, 0.16 at world 4). Equal to eager to the bit, within TOL64 of the
-    float64 replica. Column-wise only: a holder whose gradient's placements differ from the
-    parameter's (a row-wise bias) is not covered."""
-    for skip, form in _TP_TWICE[world_size]:
-        for r in ranks(world_size).run(_skipped_when_synced, skip, form, False, "aot_eager", True, True):
-            print(f"world {world_size} {skip} {form} tp: {r}")
+    float64 replica. Column-wise and row-wise blocks (a row-wise bias: Replicate, its gradient
+    summed from Partial). On torch 2.11 this failed building dynamo's guards until 2026-11-28
+    ('function' object has no attribute 'hook': `test_our_pre_forward_hook_runs_first_and_the_earlier_hooks_handles_still_remove_them`)."""
+    for skip, form, style in _TP_TWICE[world_size]:
+        for r in ranks(world_size).run(_skipped_when_synced, skip, form, False, "aot_eager", True, style):
+            print(f"world {world_size} {skip} {form} tp {style}: {r}")
             assert r["params_equal"] and r["left"] == 0, r
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
+
+
+def _hook_order() -> dict:
+    from fully_shard import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    seen = []
+    first = model.register_forward_pre_hook(lambda m, args: seen.append(("first", type(m.weight).__name__)))
+    model.register_forward_pre_hook(lambda m, args: seen.append(("second", type(m.weight).__name__)))
+    fully_shard(model, mesh=cpu_mesh())
+    hooks = model._forward_pre_hooks
+    stored_as_called = list(dict.keys(hooks)) == list(hooks)
+    model(torch.randn(2, 4))
+    first.remove()
+    model(torch.randn(2, 4))
+    return {"stored_as_called": stored_as_called, "count": len(hooks), "seen": seen}
+
+
+def test_our_pre_forward_hook_runs_first_and_the_earlier_hooks_handles_still_remove_them(ranks):
+    """``fully_shard`` puts its pre-forward hook first (the hooks registered before it see the
+    gathered parameters) and re-inserts the module's pre-hooks in that order (the dict's storage
+    order its call order: torch 2.11's dynamo reads a hook's position by one and guards by the other,
+    `test_a_second_backward_adds_the_sums_of_an_unused_tensor_parallel_block_once`); a handle taken
+    before still removes its hook."""
+    (r,) = ranks(1).run(_hook_order)
+    assert r["stored_as_called"] and r["count"] == 2, r
+    assert r["seen"] == [("first", "Parameter"), ("second", "Parameter"), ("second", "Parameter")], r
 
 
 # (block 1 skipped as in `_SKIPS`, form, HSDP deferral) per world size
@@ -1010,31 +1039,32 @@ def test_a_second_backward_adds_the_sums_of_an_unused_extension_block_once(ranks
     backward added the sums again; with torchao's float8 weights 0.73 off eager at world 1).
     Equal to eager to the bit, within TOL64 of the float64 replica."""
     for skip, form, hsdp in _EXT_TWICE[world_size]:
-        for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp, "aot_eager", True, False, True):
+        for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp, "aot_eager", True, "", True):
             print(f"world {world_size} {skip} {form} hsdp={hsdp} extension: {r}")
             assert r["params_equal"] and r["left"] == 0, r
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
 
 
 # (block 1 skipped as in `_SKIPS`, form, the synced loss backward twice) per world size
-_DTENSOR_OUT = {1: [("inside", "method", True), ("outside", "wrap", False)],
-                2: [("detached", "wrap", True), ("inside", "method", True)],
-                4: [("inside", "method", True), ("outside", "wrap", True)]}
+_DTENSOR_OUT = {1: [("inside", "method", True, "Replicate"), ("outside", "wrap", False, "Shard(-1)")],
+                2: [("detached", "wrap", True, "Shard(-1)"), ("inside", "method", True, "Replicate")],
+                4: [("inside", "method", True, "Replicate"), ("outside", "wrap", True, "Shard(-1)")]}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_dtensor_root_output_reduces_what_a_skipped_block_accumulated_once(ranks, world_size):
-    """The root's output a DTensor (its head row-wise tensor-parallel, the output kept a DTensor,
-    Replicate; the root's head weight and bias DTensors on the (dp, tp) mesh), a block
+    """The root's output a DTensor (its head tensor-parallel, the output kept a DTensor: row-wise,
+    Replicate, or column-wise, Shard(-1) logits as loss parallel's; the root's head weight and bias
+    DTensors on the (dp, tp) mesh), a block
     skipped in the synced micro-batch after one without sync: its sums reduced once, also when the
     loss goes backward twice (was: the root's tie found no plain gradient and handed the handles
     none, the flag was read in the forward graph: 0.16 off eager at world 4), and under
     ``torch.compile(model)`` (was: the head's gathered DTensor weight left the root forward's graph
     as an output, whose backward AOTAutograd refused: "Expected a DTensor tangent but got a plain
     Tensor"). Equal to eager to the bit, within TOL64 of the float64 replica."""
-    for skip, form, twice in _DTENSOR_OUT[world_size]:
-        for r in ranks(world_size).run(_skipped_when_synced, skip, form, False, "aot_eager", twice, False, False, True):
-            print(f"world {world_size} {skip} {form} twice={twice} DTensor output: {r}")
+    for skip, form, twice, layout in _DTENSOR_OUT[world_size]:
+        for r in ranks(world_size).run(_skipped_when_synced, skip, form, False, "aot_eager", twice, "", False, layout):
+            print(f"world {world_size} {skip} {form} twice={twice} {layout} output: {r}")
             assert r["params_equal"] and r["left"] == 0, r
             assert r["vs_float64"] <= TOL64 and r["eager_vs_float64"] <= TOL64, r
 

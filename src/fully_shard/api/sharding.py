@@ -311,11 +311,23 @@ def _outside_compile_type() -> type:
     return type("OutsideCompileHook", (_OutsideCompile,), attrs)
 
 
+def _store_in_call_order(hooks: dict[int, Any]) -> None:
+    """Re-insert ``hooks`` (same dict, same keys: every hook's handle still removes it) so that its
+    storage order is its call order. ``prepend=True`` moves a key to the front of the OrderedDict's
+    order only; torch 2.11's dynamo finds a hook's position by one order and guards it by the other
+    (a module that ``parallelize_module`` hooked first: "'function' object has no attribute 'hook'",
+    the guard reading our hook's attribute off the TP hook)."""
+    items = list(hooks.items())
+    hooks.clear()
+    hooks.update(items)
+
+
 def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], type]) -> None:
     module.__dict__["_fsdp_state"] = state
     hook = _outside_compile_type()
     pre = hook(state.pre_forward, traced.traced_pre_forward)
     module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+    _store_in_call_order(module._forward_pre_hooks)
     # (the root's post-forward, a frame of its own under torch.compile(model), ties what a gather
     # took to its output: eagerly, not as a graph of its own: `traced.traced_post_forward`)
     module.register_forward_hook(hook(state.post_forward, traced.traced_post_forward, eager_frame=True))
