@@ -237,9 +237,19 @@ class _Carry(torch.autograd.Function):
 
 
 def _plain_or_none(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``grad`` if plain, a DTensor's local tensor if that is plain, else None (another subclass)."""
-    local = _local(grad)
-    return local if type(local) is torch.Tensor else None
+    """``grad`` if plain, else a plain tensor it holds: a DTensor's local tensor, another traceable
+    subclass's first inner tensor (a `TwoTensor`'s, a nested tensor's values), each unwrapped in
+    turn; None if it holds none. (``__tensor_flatten__`` read off the class: dynamo's ``hasattr``
+    on a traced subclass instance does not see it.)"""
+    while grad is not None and type(grad) is not torch.Tensor:
+        if isinstance(grad, DTensor):
+            grad = grad.to_local()
+        elif getattr(type(grad), "__tensor_flatten__", None) is not None:
+            names = type(grad).__tensor_flatten__(grad)[0]
+            grad = getattr(grad, names[0]) if names else None
+        else:
+            return None
+    return grad
 
 
 def _set_functional(state: Any, on: bool) -> None:
