@@ -1092,6 +1092,11 @@ _TWO_OUT = {1: [("inside", "method", False)], 2: [("detached", "method", False),
             4: [("inside", "method", True)]}
 
 
+@pytest.mark.skipif(
+    _BEFORE_2_13,
+    reason="torch 2.11's dynamo cannot trace a subclass's __tensor_flatten__: the tie hands the "
+    "handles no gradient there (a second backward adds the sums again; docs/compile.md)",
+)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_subclass_root_output_reduces_what_a_skipped_block_accumulated_once(ranks, world_size):
     """The root's output a tensor subclass other than DTensor (a `TwoTensor`, its gradient one

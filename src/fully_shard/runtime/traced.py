@@ -236,15 +236,20 @@ class _Carry(torch.autograd.Function):
         return (None, *grads, *(empty.to(dtype) for dtype in ctx.rest))
 
 
+# torch 2.11's dynamo cannot trace a subclass's ``__tensor_flatten__`` (2.13's can, off the class)
+_UNWRAPS_SUBCLASSES = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def _plain_or_none(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``grad`` if plain, else a plain tensor it holds: a DTensor's local tensor, another traceable
     subclass's first inner tensor (a `TwoTensor`'s, a nested tensor's values), each unwrapped in
     turn; None if it holds none. (``__tensor_flatten__`` read off the class: dynamo's ``hasattr``
-    on a traced subclass instance does not see it.)"""
+    on a traced subclass instance does not see it, and torch 2.11's dynamo traces neither form:
+    there, None.)"""
     while grad is not None and type(grad) is not torch.Tensor:
         if isinstance(grad, DTensor):
             grad = grad.to_local()
-        elif getattr(type(grad), "__tensor_flatten__", None) is not None:
+        elif _UNWRAPS_SUBCLASSES and getattr(type(grad), "__tensor_flatten__", None) is not None:
             names = type(grad).__tensor_flatten__(grad)[0]
             grad = getattr(grad, names[0]) if names else None
         else:
