@@ -12,7 +12,7 @@ import pytest
 from _parity import TOL64, llama64, shard_llama
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
 from rank_utils import cpu_mesh, global_mean, world
-from test_traced import _train
+from test_traced import _BEFORE_2_13, _train
 
 STEPS = 4
 GRAPHS = 1  # both blocks share one graph (their parameters are graph inputs); none added once warm
@@ -72,6 +72,11 @@ def test_compiled_blocks_match_eager_exactly_with_aot_eager(ranks, world_size):
         assert r["graphs_after_first_step"] == GRAPHS and r["graphs_at_end"] == GRAPHS, r
 
 
+@pytest.mark.skipif(
+    _BEFORE_2_13,
+    reason="torch 2.11's Inductor allocates the float64 CPU attention backward's logsumexp in float32 "
+    "(the plain model, no fully_shard, fails the same: 'expected scalar type Double but found Float')",
+)
 def test_compiled_blocks_match_eager_with_inductor(ranks):
     """Inductor fuses and reorders float ops, so losses agree to rounding, not the bit: in float64
     that is far below TOL64 (derived in tests/_parity.py) on any CPU."""

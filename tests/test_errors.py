@@ -22,8 +22,23 @@ def test_fully_shard_twice():
     with fake_world(2) as mesh:
         model = nn.Linear(4, 4)
         fully_shard(model, mesh=mesh)
-        with pytest.raises(ValueError, match="already applied to this Linear.*Fix"):
+        with pytest.raises(ValueError, match="^fully_shard: fully_shard was already applied to this Linear.*Fix"):
             fully_shard(model, mesh=mesh)
+
+
+def test_replicate_and_fully_shard_on_one_module_name_the_call_that_came_first():
+    from fully_shard import replicate
+
+    with fake_world(2) as mesh:
+        first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+        fully_shard(first, mesh=mesh)
+        with pytest.raises(ValueError, match="^replicate: fully_shard was already applied to this Linear.*Fix"):
+            replicate(first, mesh=mesh)
+        replicate(second, mesh=mesh)
+        with pytest.raises(ValueError, match="^fully_shard: replicate was already applied to this Linear.*Fix"):
+            fully_shard(second, mesh=mesh)
+        with pytest.raises(ValueError, match="^replicate got the same module twice"):
+            replicate([nn.Linear(2, 2)] * 2, mesh=mesh)
 
 
 def test_parent_before_child():
@@ -153,3 +168,24 @@ def test_uneven_complex_parameter_warns_about_adam():
         with pytest.warns(UserWarning, match=r"'odd' is complex with dim 0 of size 5, which does not divide evenly over 2"):
             fully_shard(model, mesh=mesh)
         assert isinstance(model.odd, DTensor)
+
+
+def test_the_sharded_class_forward_keeps_the_signature_and_not_dynamos_marks():
+    """The class ``fully_shard`` gives a module has a forward of its own (it ends a traced root
+    forward, docs/compile.md); ``inspect.signature`` reads the module's, and the marks torch's
+    decorators leave on the module's forward (``@torch.compiler.disable``'s) are not copied onto it:
+    dynamo would skip ours for them."""
+    import inspect
+
+    class Scaled(nn.Linear):
+        @torch.compiler.disable
+        def forward(self, x, *, scale: float = 1.0):
+            return super().forward(x) * scale
+
+    with fake_world(2) as mesh:
+        model = fully_shard(Scaled(4, 4), mesh=mesh)
+        marks = {k for k in vars(Scaled.forward) if k.startswith("_torchdynamo")}
+        assert marks, "torch's decorator left no mark: the test checks nothing"
+        assert not marks & set(vars(type(model).forward)), vars(type(model).forward)
+        assert inspect.signature(model.forward) == inspect.signature(Scaled(4, 4).forward)
+        assert list(inspect.signature(model.forward).parameters) == ["x", "scale"]

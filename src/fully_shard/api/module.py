@@ -533,7 +533,9 @@ def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:
             traced.forward_returned(self.__dict__["_fsdp_state"])
         return output
 
-    functools.update_wrapper(forward, cls.forward)
+    # (``__wrapped__``, name and doc; not ``cls.forward``'s ``__dict__``: dynamo's marks there,
+    # ``@torch.compile``'s or ``@torch.compiler.disable``'s, would make it trace past this forward)
+    functools.update_wrapper(forward, cls.forward, updated=())
     code = forward.__code__  # (co_qualname: Python 3.11+; replace() makes a new code object either way)
     forward.__code__ = (
         code.replace(co_qualname=f"{name}.forward") if sys.version_info >= (3, 11) else code.replace()

@@ -33,7 +33,7 @@ from ..features import schedule
 from ..runtime.state import FSDPState, RootContext, fsdp_states
 from ..runtime import traced
 
-from .module import _replicated_class, _sharded_class
+from .module import ReplicateModule, _replicated_class, _sharded_class
 
 
 def fully_shard(
@@ -61,7 +61,7 @@ def fully_shard(
 
     Returns the module (or list); its class now also derives from `FSDPModule`.
     """
-    modules = _as_module_list(module)
+    modules = _as_module_list(module, "fully_shard")
     mesh, changes = to_dp_mesh(modules, mesh, dp_mesh_dims)
     try:
         info = mesh_info(mesh)
@@ -94,7 +94,7 @@ def replicate(
 
     Returns the module (or list); its class now also derives from `ReplicateModule` (an `FSDPModule`).
     """
-    modules = _as_module_list(module)
+    modules = _as_module_list(module, "replicate")
     info = replicate_info(mesh, plain=plain_params)
     _apply(modules, info, False, mp_policy, offload_policy, ignored_params, None, _replicated_class)
     return module
@@ -339,35 +339,36 @@ def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], t
     module.__class__ = make_class(type(module))
 
 
-def _as_module_list(module: Union[nn.Module, list[nn.Module]]) -> list[nn.Module]:
+def _as_module_list(module: Union[nn.Module, list[nn.Module]], api: str) -> list[nn.Module]:
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
-        raise ValueError("fully_shard got an empty list of modules; pass at least one nn.Module.")
+        raise ValueError(f"{api} got an empty list of modules; pass at least one nn.Module.")
     for m in modules:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module or a list of them, got {type(m).__name__}.")
+            raise TypeError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}.")
         if isinstance(m, torch.jit.ScriptModule):
             raise ValueError(
-                f"fully_shard got a TorchScript module ({type(m).__name__} from torch.jit.script / trace): "
+                f"{api} got a TorchScript module ({type(m).__name__} from torch.jit.script / trace): "
                 "it keeps its parameters and forward in C++ where they cannot be swapped for shards or "
-                "hooked. Fix: apply fully_shard to the eager module, and use torch.compile for speed."
+                f"hooked. Fix: apply {api} to the eager module, and use torch.compile for speed."
             )
         if is_sharded_module(m):
             original = getattr(type(m), "_fsdp_original_class", type(m)).__name__
+            earlier = "replicate" if isinstance(m, ReplicateModule) else "fully_shard"
             raise ValueError(
-                f"fully_shard was already applied to this {original}; a module can be sharded once. Fix: "
-                "remove the second call (to change options, rebuild the module)."
+                f"{api}: {earlier} was already applied to this {original}; a module can be sharded or "
+                "replicated once. Fix: remove the second call (to change options, rebuild the module)."
             )
         # torch.compile sets forward on the instance
         if type(m).forward is nn.Module.forward and "forward" not in m.__dict__:
             raise ValueError(
-                f"fully_shard got a {type(m).__name__}, which has no forward of its own: its hooks would "
-                "never run, so its parameters would never be all-gathered. Fix: shard its children (for "
-                "block in model.layers: fully_shard(block)), or pass them as one group: "
-                "fully_shard(list(model.layers))."
+                f"{api} got a {type(m).__name__}, which has no forward of its own: its hooks would "
+                f"never run, so its parameters would never be gathered or reduced. Fix: apply {api} to its "
+                f"children (for block in model.layers: {api}(block)), or pass them as one group: "
+                f"{api}(list(model.layers))."
             )
     if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard got the same module twice in one list; pass each module once.")
+        raise ValueError(f"{api} got the same module twice in one list; pass each module once.")
     return modules
 
 
