@@ -1497,6 +1497,68 @@ def test_fsdp1_keep_low_precision_grads_a_trace_meeting_them_fails_loudly(ranks)
     assert "dtype mismatch between tensor and its gradient" in r.get("error", ""), r
 
 
+def _fsdp1_subclass_root(form: str) -> dict:
+    """FSDP1's API (our `fully_shard.fsdp1`), the root's own Linear's weight an all-gather
+    extension's tensor subclass (`_Wrapped`), two SGD steps: ``torch.compile(model)`` ("wrap") or
+    ``model.compile()`` ("method") against ours eager and an unsharded float64 replica (losses)."""
+    from torch.distributed.tensor import DTensor
+
+    import fully_shard.fsdp1 as lib
+
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*(torch.nn.Linear(6, 6) for _ in range(3))).double()
+    eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
+    models = []
+    for m in (eager, compiled):
+        m[2].weight = torch.nn.Parameter(_Wrapped(m[2].weight.detach().clone()))
+        for j in (0, 1):
+            m[j] = lib.FullyShardedDataParallel(m[j], use_orig_params=True)
+        models.append(lib.FullyShardedDataParallel(m, use_orig_params=True))
+    eager, compiled = models
+    if form == "method":
+        compiled.compile(backend="aot_eager", fullgraph=True)
+    fn = torch.compile(compiled, backend="aot_eager", fullgraph=True) if form == "wrap" else compiled
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, eager, compiled)]
+    loss_diff = 0.0
+    for step in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        expected = ref(x).sum() / w
+        expected.backward()
+        for call in (eager, fn):
+            loss = call(x.chunk(w)[rank]).sum()
+            loss.backward()
+        loss_diff = max(loss_diff, abs(global_mean(loss) * w - expected.item() * w))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    def local(m):
+        out = {}
+        for k, p in m.named_parameters():
+            t = p.to_local() if isinstance(p, DTensor) else p
+            out[k] = t._data if isinstance(t, _Wrapped) else t
+        return out
+
+    ea, eb = local(eager), local(compiled)
+    return {"equal": len(ea) == 6 and all(torch.equal(ea[k], eb[k]) for k in ea), "loss_diff": loss_diff}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fsdp1_root_with_a_subclass_parameter_compiles_whole(ranks, world_size):
+    """An FSDP1-API root (`FullyShardedDataParallel.forward` is its own) with a tensor-subclass
+    parameter of its own, ``torch.compile(model)``: its gathered parameters are dropped at the end
+    of its forward's frame, as the class ``fully_shard`` gives a module does (was: the gathered
+    subclass weight left the root forward's graph as an output and AOTAutograd's backward failed,
+    "Expected a _Wrapped tangent but got a plain Tensor"). Parameters equal to
+    eager to the bit; losses within TOL64 of the float64 replica."""
+    for form in ("wrap", "method") if world_size == 2 else ("wrap",):
+        for r in ranks(world_size).run(_fsdp1_subclass_root, form):
+            print(f"world {world_size} {form}: {r}")
+            assert r["equal"] and r["loss_diff"] <= TOL64, r
+
+
 def _f32_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
     """An extension set on the instance (PyTorch's monkey-patch form): sends the shard in float32."""
     return (self.to(torch.float32),), None

@@ -30,6 +30,7 @@ from ..api.clip import clip_grad_norm_ as _clip_grad_norm
 from ..layouts.mesh import default_device_type
 from ..layouts.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ..api.unsharded import unsharded
+from ..runtime import traced
 from ..features.traps import register_rebindable
 from . import state_dict as sd
 from . import summon
@@ -310,6 +311,8 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         if root is self and self._fsdp1_forward_order is not None:
             _set_forward_prefetch(self._fsdp1_forward_order)
             self._fsdp1_forward_order, self._fsdp1_prefetch_set = None, True
+        if torch.compiler.is_compiling():  # (as the class fully_shard gives a module: `api.module`)
+            traced.forward_returned(engine_state(self))
         return output
 
     def _record_forward_order(self) -> "Optional[FullyShardedDataParallel]":
