@@ -74,8 +74,8 @@ def test_compiled_blocks_match_eager_exactly_with_aot_eager(ranks, world_size):
 
 @pytest.mark.skipif(
     _BEFORE_2_13,
-    reason="torch 2.11's Inductor allocates the float64 CPU attention backward's logsumexp in float32 "
-    "(the plain model, no fully_shard, fails the same: 'expected scalar type Double but found Float')",
+    reason="torch 2.11's Inductor fails this float64 model's backward on CPU (the plain model, no "
+    "fully_shard, fails the same: 'expected scalar type Double but found Float')",
 )
 def test_compiled_blocks_match_eager_with_inductor(ranks):
     """Inductor fuses and reorders float ops, so losses agree to rounding, not the bit: in float64

@@ -41,6 +41,16 @@ def test_replicate_and_fully_shard_on_one_module_name_the_call_that_came_first()
             replicate([nn.Linear(2, 2)] * 2, mesh=mesh)
 
 
+def test_fully_shard_on_an_fsdp1_wrapper_names_it():
+    from fully_shard.fsdp1 import FullyShardedDataParallel, ShardingStrategy
+
+    with fake_world(2) as mesh:
+        for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD):
+            wrapped = FullyShardedDataParallel(nn.Linear(4, 4), device_mesh=mesh, sharding_strategy=strategy)
+            with pytest.raises(ValueError, match="^fully_shard: FullyShardedDataParallel was already applied"):
+                fully_shard(wrapped, mesh=mesh)
+
+
 def test_parent_before_child():
     with fake_world(2) as mesh:
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -1092,11 +1092,6 @@ _TWO_OUT = {1: [("inside", "method", False)], 2: [("detached", "method", False),
             4: [("inside", "method", True)]}
 
 
-@pytest.mark.skipif(
-    _BEFORE_2_13,
-    reason="torch 2.11's dynamo cannot trace a subclass's __tensor_flatten__: the tie hands the "
-    "handles no gradient there (a second backward adds the sums again; docs/compile.md)",
-)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_subclass_root_output_reduces_what_a_skipped_block_accumulated_once(ranks, world_size):
     """The root's output a tensor subclass other than DTensor (a `TwoTensor`, its gradient one
@@ -1105,7 +1100,12 @@ def test_a_subclass_root_output_reduces_what_a_skipped_block_accumulated_once(ra
     gradient and handed the handles none, the flag was read in the forward graph and the second
     backward added the sums again: 0.93 off eager at world 1, 0.41 at 2, 0.16 at 4). The tie takes the subclass
     gradient's first inner tensor. Equal to eager to the bit, within TOL64 of the float64 replica."""
-    for skip, form, hsdp in _TWO_OUT[world_size]:
+    # torch 2.11's dynamo cannot trace a subclass's __tensor_flatten__: under model.compile() the tie
+    # hands the handles no gradient there (docs/compile.md); the torch.compile(model) case passes there
+    cases = [case for case in _TWO_OUT[world_size] if case[1] == "wrap" or not _BEFORE_2_13]
+    if not cases:
+        pytest.skip("torch 2.11's dynamo cannot trace a subclass's __tensor_flatten__ (docs/compile.md)")
+    for skip, form, hsdp in cases:
         for r in ranks(world_size).run(_skipped_when_synced, skip, form, hsdp, "aot_eager", True, "", False, "", True):
             print(f"world {world_size} {skip} {form} hsdp={hsdp} TwoTensor output: {r}")
             assert r["params_equal"] and r["left"] == 0, r
@@ -1499,8 +1499,9 @@ def test_fsdp1_keep_low_precision_grads_a_trace_meeting_them_fails_loudly(ranks)
 
 def _fsdp1_subclass_root(form: str) -> dict:
     """FSDP1's API (our `fully_shard.fsdp1`), the root's own Linear's weight an all-gather
-    extension's tensor subclass (`_Wrapped`), two SGD steps: ``torch.compile(model)`` ("wrap") or
-    ``model.compile()`` ("method") against ours eager and an unsharded float64 replica (losses)."""
+    extension's tensor subclass (`_Wrapped`), three SGD steps: ``torch.compile(model)`` ("wrap") or
+    ``model.compile()`` ("method"): parameters against ours eager (bit for bit), the compiled
+    model's losses (each step's, before its update) against an unsharded float64 replica."""
     from torch.distributed.tensor import DTensor
 
     import fully_shard.fsdp1 as lib

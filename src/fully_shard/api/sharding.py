@@ -331,6 +331,7 @@ def _install(module: nn.Module, state: FSDPState, make_class: Callable[[type], t
     # (the root's post-forward, a frame of its own under torch.compile(model), ties what a gather
     # took to its output: eagerly, not as a graph of its own: `traced.traced_post_forward`)
     module.register_forward_hook(hook(state.post_forward, traced.traced_post_forward, eager_frame=True))
+    _store_in_call_order(module._forward_hooks)  # (one registered earlier with prepend=True)
     # A state dict holds sharded DTensors only, also while the parameters are unsharded.
     module.register_state_dict_pre_hook(_Hook(state.show_sharded))
     module.register_state_dict_post_hook(_Hook(state.show_unsharded))
@@ -354,7 +355,13 @@ def _as_module_list(module: Union[nn.Module, list[nn.Module]], api: str) -> list
             )
         if is_sharded_module(m):
             original = getattr(type(m), "_fsdp_original_class", type(m)).__name__
-            earlier = "replicate" if isinstance(m, ReplicateModule) else "fully_shard"
+            earlier = (
+                "replicate"
+                if isinstance(m, ReplicateModule)
+                else "fully_shard"
+                if hasattr(type(m), "_fsdp_original_class")
+                else type(m).__name__
+            )
             raise ValueError(
                 f"{api}: {earlier} was already applied to this {original}; a module can be sharded or "
                 "replicated once. Fix: remove the second call (to change options, rebuild the module)."

@@ -222,7 +222,7 @@ class _Carry(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        ctx.rest = [t.dtype for t in tensors[count:]]  # (empty: handles, reduce-only stand-ins)
+        ctx.rest = [(t.device, t.dtype) for t in tensors[count:]]  # (empty: handles, reduce-only stand-ins)
         return tuple(t.view_as(t) for t in tensors[:count])
 
     @staticmethod
@@ -233,7 +233,7 @@ class _Carry(torch.autograd.Function):
         if token is None:
             return (None, *grads, *[None] * len(ctx.rest))
         empty = (token.narrow(0, 0, 0) if token.dim() else token.reshape(1)[:0]).reshape(0)
-        return (None, *grads, *(empty.to(dtype) for dtype in ctx.rest))
+        return (None, *grads, *(empty.to(device, dtype) for device, dtype in ctx.rest))
 
 
 # torch 2.11's dynamo cannot trace a subclass's ``__tensor_flatten__`` (2.13's can, off the class)
