@@ -370,6 +370,7 @@ def install(places: list[tuple[Any, Any]], state: Any, tree: list[Any]) -> None:
     """Give every module holding a managed parameter the traced properties: ``places`` are
     ``(FSDPParam, ParamPlace)`` pairs whose module's forward is ``state``'s (its pre-forward gathers).
     ``tree``: ``state`` and the states under its modules, whose sums it reduces as a root (`_left_over`)."""
+    key_of(state)  # (`refuse_untraceable` finds it by its id: a state without parameters too)
     state._traced_tree = tree
     state._traced_handles = None  # what this module's gathers left for the root (`traced_post_forward`)
     by_module: dict[int, tuple[nn.Module, dict[str, _Entry]]] = {}
@@ -456,7 +457,35 @@ def _untraceable(state: Any) -> str:
                     "in model.layers: block.compile()), where the eager engine drives the collectives "
                     "(docs/compile.md)."
                 )
+    path = composable_checkpointed(state)
+    if path is not None:
+        return (
+            f"fully_shard: torch.compile traces {state.name()} as part of a whole compiled model, "
+            f"but torch's composable checkpoint() was applied to {path}: its recompute runs that "
+            "module eagerly in backward and hands back what it saves by position, where the compiled "
+            "forward saved other tensors (torch.utils.checkpoint.CheckpointError, without fully_shard "
+            "too, whose check compares only shapes and dtypes). Fix: checkpoint inside the graph "
+            "instead: checkpoint_wrapper(module) (from "
+            "torch.distributed.algorithms._checkpoint.checkpoint_wrapper) before fully_shard or "
+            "torch.utils.checkpoint.checkpoint(...) in its forward, or compile each block on its "
+            "own (for block in model.layers: block.compile()), whose recompute runs compiled too "
+            "(docs/compile.md)."
+        )
     return ""
+
+
+def composable_checkpointed(state: Any) -> Optional[str]:
+    """The name of the first module under ``state``'s modules that torch's composable
+    ``checkpoint()`` was applied to, else None."""
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # (a torch without composable APIs has no such checkpoint either)
+        return None
+    for module in state.modules:
+        for path, sub in module.named_modules():
+            if "checkpoint" in (_get_registry(sub) or {}):
+                return f"its submodule '{path}'" if path else "it"
+    return None
 
 
 # -- the collectives
