@@ -330,6 +330,45 @@ def test_slicing_a_sharded_sequential_gives_a_plain_sequential(ranks):
         assert r == {"type": "Sequential", "sharded": False, "children_same": True, "len": 2}, r
 
 
+class _Defaults(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _constructed_without_arguments() -> dict:
+    from fully_shard import FSDPModule, fully_shard
+
+    model = nn.Sequential(_Defaults(), _Defaults())
+    for block in model:
+        fully_shard(block, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
+    made = {"block": type(model[0])(), "wide": type(model[0])(width=6), "container": type(model)()}
+    copied = copy.deepcopy(model[0])
+    return {
+        **{k: (type(m).__name__, isinstance(m, FSDPModule)) for k, m in made.items()},
+        "block_out": tuple(made["block"](torch.ones(2, 4)).shape),
+        "compiled_out": tuple(torch.compile(made["block"], backend="eager")(torch.ones(2, 4)).shape),
+        "wide_out": tuple(made["wide"](torch.ones(2, 6)).shape),
+        "container_len": len(made["container"]),
+        "copy": (type(copied).__name__, isinstance(copied, FSDPModule)),
+    }
+
+
+def test_a_sharded_class_constructed_without_arguments_is_its_original_class(ranks):
+    """``type(block)()`` (as some libraries build a fresh module of a model's class): an object of
+    the original class, initialised by it, as with arguments (was: a sharded-class module without
+    state, whose ``FSDPModule`` methods raised ``KeyError: '_fsdp_state'``); a deep copy keeps
+    the sharded class."""
+    for r in ranks(2).run(_constructed_without_arguments):
+        assert r == {"block": ("_Defaults", False), "wide": ("_Defaults", False), "container": ("Sequential", False),
+                     "block_out": (2, 4), "compiled_out": (2, 4), "wide_out": (2, 6), "container_len": 0,
+                     "copy": ("FSDP_Defaults", True)}, r
+
+
 def test_fully_shard_refuses_a_module_without_forward():
     from fake_world import fake_world
     from fully_shard import fully_shard

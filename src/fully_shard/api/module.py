@@ -49,7 +49,8 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing a sharded class builds its original class: a container's slice
         (``self.__class__(...)`` in ``nn.Sequential``) is a plain container of the sharded children.
-        ``copy.deepcopy`` (no arguments) keeps the sharded class."""
+        With no arguments the object is made here and `_construct_original` turns it into the
+        original class; copies and unpickling (no ``__init__``) keep the sharded class."""
         if not args and not kwargs:
             return super().__new__(cls)
         original = getattr(cls, "_fsdp_original_class", cls.__bases__[-1])
@@ -512,9 +513,20 @@ def _mixed_class(prefix: str, mixin: type, cls: type) -> type:
     attrs = {
         "__module__": cls.__module__,
         "_fsdp_original_class": cls,
+        "__init__": _construct_original,
         "forward": _ending_traced_forward(cls, name),
     }
     return type(name, (mixin, cls), attrs)
+
+
+def _construct_original(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``__init__`` of a sharded class, run only for an object `FSDPModule.__new__` made (a
+    constructor call without arguments, ``type(block)()``): the original class's, on an object
+    of that class (was: a sharded-class module with no state, whose ``FSDPModule`` methods raised
+    ``KeyError: '_fsdp_state'``)."""
+    original = type(self)._fsdp_original_class  # type: ignore[attr-defined]
+    object.__setattr__(self, "__class__", original)
+    original.__init__(self, *args, **kwargs)
 
 
 def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:
