@@ -184,6 +184,52 @@ def test_whole_model_compiles_as_one_graph_and_equals_eager(ranks, world_size):
             assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
+def _varying_lengths(dynamic) -> dict:
+    """Four steps whose sequence length changes (16, 12, 20, 16), ours compiled whole
+    (``dynamic``: None, dynamo's default, recompiles once with the length symbolic; True makes it
+    symbolic from the first graph) against ours eager."""
+    from torch._dynamo.utils import counters
+
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    eager = llama64(LlamaConfig(n_layers=1))
+    compiled = copy.deepcopy(eager)
+    _shard(eager, True)
+    _shard(compiled, True)
+    compiled.compile(backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    losses: list[list[float]] = [[], []]
+    for step, seq in enumerate([16, 12, 20, 16]):
+        x, y = synthetic_batch(step, 4, seq, 101)
+        for i, (model, opt) in enumerate(zip((eager, compiled), opts)):
+            loss = loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(global_mean(loss))
+    ea, eb = _full(eager), _full(compiled)
+    return {"graphs": counters["stats"]["unique_graphs"], "losses_equal": losses[0] == losses[1],
+            "loss_diff": max(abs(a - b) for a, b in zip(*losses)),
+            "params_equal": all(torch.equal(ea[k], eb[k]) for k in ea),
+            "param_diff": max((ea[k] - eb[k]).abs().max().item() for k in ea)}
+
+
+@pytest.mark.parametrize("world_size,dynamic", [(1, None), (2, None), (4, True)])
+def test_sequence_lengths_that_change_between_steps_compile_once_more_and_equal_eager(ranks, world_size, dynamic):
+    """The sequence length changes between steps: dynamo's default recompiles once, the length
+    symbolic (``dynamic=True``: symbolic from the first graph), and no more; the traced gathers do
+    not depend on it. Equal to eager to the bit at world 1 and 2 (world 4: within TOL64, gloo's
+    ring order as in `test_whole_model_compiles_as_one_graph_and_equals_eager`)."""
+    for r in ranks(world_size).run(_varying_lengths, dynamic):
+        print(f"world {world_size} dynamic={dynamic}: {r}")
+        assert r["graphs"] == (1 if dynamic else 2), r
+        if world_size <= 2:
+            assert r["losses_equal"] and r["params_equal"], r
+        else:
+            assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
 @pytest.mark.parametrize("reshard,root", [(True, None), (True, True), (False, None)])
 def test_the_graphs_hold_one_all_gather_and_one_reduce_scatter_per_group(ranks, reshard, root):
     """3 groups (2 blocks and the root, whose tied embedding is one parameter): 3 all-gathers in
