@@ -50,6 +50,9 @@ class GradientCheck(Protocol):
     def conclude(self) -> None: ...
 
 
+_EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
+
+
 class RootContext:
     """Per-root runtime state shared by every `FSDPState` under one root module."""
 
@@ -59,6 +62,10 @@ class RootContext:
         self.comm = comm
         self.post_forward_order: list[FSDPState] = []
         self.phase = IterationPhase.IDLE
+        # An eager step runs around a compiled call: the root's forward is running, or a backward
+        # (per-block compile; a recompute). One attribute (`traced.traced_here` reads only it): one
+        # guard, the same value in a forward and in a recompute, so a block's graph serves both.
+        self.eager_around = False
         self.pending_reduce: Optional[ReduceScatterResult] = None
         self.buckets: list[Bucket] = []
         self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
@@ -124,8 +131,15 @@ class RootContext:
             if step.then is not None:
                 self.phase = step.then
             raise
+        finally:
+            self.note_phases()
         if step.then is not None:
             self.phase = step.then
+            self.note_phases()
+
+    def note_phases(self) -> None:
+        """Update `eager_around` from the iteration's phase and the root's."""
+        self.eager_around = self.root.phase is TrainingPhase.FORWARD or self.phase in _EAGER_PHASES
 
     def start_iteration(self) -> None:
         """A root forward starts: notice changes made between steps (`notice_changes`); hook up
@@ -621,9 +635,15 @@ class FSDPState:
             step = step_for(MODULE, self.phase, event, self.name)  # raises, naming the module and both
         assert isinstance(step, Step)
         self.phase = step.to
-        result = step.action(self, *payload) if step.action is not None else None
+        try:
+            result = step.action(self, *payload) if step.action is not None else None
+        finally:
+            if self.is_root:
+                self.ctx.note_phases()  # type: ignore[union-attr]
         if step.then is not None:
             self.phase = step.then
+            if self.is_root:
+                self.ctx.note_phases()  # type: ignore[union-attr]
         return result
 
     # -- forward

@@ -59,11 +59,10 @@ from ..layouts.layout import contiguous_stride
 from ..layouts.mesh import is_across_group
 from .extension import _pad_rows, _unpack, bound_functions, class_hooks, instance_methods, rebind
 from . import opaque
-from .lifecycle import IterationPhase, ShardedState, TrainingPhase
+from .lifecycle import ShardedState
 from .registry import BY_KEY, key_of, managed_by_id
 from .state import _cast_floats, fsdp_states
 
-_EAGER_PHASES = (IterationPhase.BACKWARD, IterationPhase.FINALIZING)
 # what a further input of a traced gather is (`gather_group`'s slots); the sums backward adds are
 # saved; `_ONCE`, a flag that backward adds them once (`_sums_once`)
 _ACCUMULATOR, _PENDING, _LEAF, _PARTIAL, _ONCE = range(5)
@@ -76,7 +75,7 @@ def traced_here(state: Any) -> bool:
     """Whether a compiled call runs this module's forward with no eager step around it: no eager
     root forward is running (per-block compile) and no eager backward (a recompute)."""
     ctx = state.ctx
-    return ctx is None or not (ctx.root.phase is TrainingPhase.FORWARD or ctx.phase in _EAGER_PHASES)
+    return ctx is None or not ctx.eager_around
 
 
 # -- the module side: hooks and parameter properties
