@@ -184,19 +184,24 @@ def test_whole_model_compiles_as_one_graph_and_equals_eager(ranks, world_size):
             assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
 
 
+def _sharded_pair(n_layers: int) -> tuple:
+    """A fresh compiler; the float64 Llama and its copy, each block and the root sharded
+    (resharding after forward): one to run eagerly, one to compile."""
+    _fresh_compiler()
+    torch.manual_seed(0)
+    eager = llama64(LlamaConfig(n_layers=n_layers))
+    compiled = copy.deepcopy(eager)
+    return _shard(eager, True), _shard(compiled, True)
+
+
 def _varying_lengths(dynamic) -> dict:
     """Four steps whose sequence length changes (16, 12, 20, 16), ours compiled whole
     (``dynamic``: None, dynamo's default, recompiles once with the length symbolic; True makes it
     symbolic from the first graph) against ours eager."""
     from torch._dynamo.utils import counters
 
-    _fresh_compiler()
     rank, w = world()
-    torch.manual_seed(0)
-    eager = llama64(LlamaConfig(n_layers=1))
-    compiled = copy.deepcopy(eager)
-    _shard(eager, True)
-    _shard(compiled, True)
+    eager, compiled = _sharded_pair(1)
     compiled.compile(backend="aot_eager", fullgraph=True, dynamic=dynamic)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
     losses: list[list[float]] = [[], []]
@@ -1255,13 +1260,8 @@ def _inductor_collectives(collectives: str) -> dict:
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    _fresh_compiler()
     rank, w = world()
-    torch.manual_seed(0)
-    eager = llama64(LlamaConfig(n_layers=2))
-    compiled = copy.deepcopy(eager)
-    _shard(eager, True)
-    _shard(compiled, True)
+    eager, compiled = _sharded_pair(2)
     compiled.compile(fullgraph=True, collectives=collectives)
     a, _ = _train(eager, 2, rank, w)
     b, codes = run_and_get_code(lambda: _train(compiled, 2, rank, w)[0])
