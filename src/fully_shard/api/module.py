@@ -477,7 +477,7 @@ class _CompileOnFirstCall:
             import torch._dynamo
 
             ctx = self.module._get_fsdp_state().ctx  # type: ignore[attr-defined]
-            eager_around = ctx is not None and ctx.eager_around  # (as `traced.traced_here` decides)
+            eager_around = ctx is not None and ctx.root.phase is TrainingPhase.FORWARD
             how = self.kwargs if eager_around else self.whole_model_kwargs
             if not eager_around:  # the whole model traced: refused here, with the message (`traced`)
                 traced.refuse_untraceable_tree(self.module._get_fsdp_state())  # type: ignore[attr-defined]
