@@ -339,17 +339,32 @@ class _Defaults(nn.Module):
         return self.lin(x)
 
 
+class _OwnParameter(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
 def _constructed_without_arguments() -> dict:
+    import inspect
+
     from fully_shard import FSDPModule, fully_shard
 
-    model = nn.Sequential(_Defaults(), _Defaults())
+    model = nn.Sequential(_Defaults(), _OwnParameter())
     for block in model:
         fully_shard(block, mesh=cpu_mesh())
     fully_shard(model, mesh=cpu_mesh())
-    made = {"block": type(model[0])(), "wide": type(model[0])(width=6), "container": type(model)()}
-    copied = copy.deepcopy(model[0])
+    made = {"block": type(model[0])(), "wide": type(model[0])(width=6), "container": type(model)(),
+            "own": type(model[1])()}  # (its class: the one with a property per parameter name, below the sharded one)
+    copied, shallow = copy.deepcopy(model[0]), copy.copy(model[1])
     return {
         **{k: (type(m).__name__, isinstance(m, FSDPModule)) for k, m in made.items()},
+        "own_out": tuple(made["own"](torch.ones(2, 4)).shape),
+        "signature": str(inspect.signature(type(model[0]).__init__)),
+        "shallow": (type(shallow) is type(model[1]), shallow._get_fsdp_state() is model[1]._get_fsdp_state()),
         "block_out": tuple(made["block"](torch.ones(2, 4)).shape),
         "compiled_out": tuple(torch.compile(made["block"], backend="eager")(torch.ones(2, 4)).shape),
         "wide_out": tuple(made["wide"](torch.ones(2, 6)).shape),
@@ -361,12 +376,14 @@ def _constructed_without_arguments() -> dict:
 def test_a_sharded_class_constructed_without_arguments_is_its_original_class(ranks):
     """``type(block)()`` (as some libraries build a fresh module of a model's class): an object of
     the original class, initialised by it, as with arguments (was: a sharded-class module without
-    state, whose ``FSDPModule`` methods raised ``KeyError: '_fsdp_state'``); a deep copy keeps
-    the sharded class."""
+    state, whose ``FSDPModule`` methods raised ``KeyError: '_fsdp_state'``), also for a module
+    holding its own parameter (its class the traced one below the sharded class); copies (deep and
+    shallow) keep the sharded class; the class's ``__init__`` shows the original's signature."""
     for r in ranks(2).run(_constructed_without_arguments):
         assert r == {"block": ("_Defaults", False), "wide": ("_Defaults", False), "container": ("Sequential", False),
-                     "block_out": (2, 4), "compiled_out": (2, 4), "wide_out": (2, 6), "container_len": 0,
-                     "copy": ("FSDP_Defaults", True)}, r
+                     "own": ("_OwnParameter", False), "own_out": (2, 4), "signature": "(self, width: 'int' = 4) -> 'None'",
+                     "shallow": (True, True), "block_out": (2, 4), "compiled_out": (2, 4), "wide_out": (2, 6),
+                     "container_len": 0, "copy": ("FSDP_Defaults", True)}, r
 
 
 def test_fully_shard_refuses_a_module_without_forward():

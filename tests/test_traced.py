@@ -1733,11 +1733,15 @@ def _refused(form: str, what: str = "extension") -> tuple[str, str]:
     rank, w = world()
     torch.manual_seed(0)
     model = llama64(LlamaConfig(n_layers=1 if what == "extension" else 2))
-    twin = _shard(copy.deepcopy(model), True)
+    twin = copy.deepcopy(model)
+    if what == "checkpoint" and form == "method":  # (before fully_shard; the other forms after)
+        for m in (model, twin):
+            checkpoint(m.layers[0])
+    _shard(twin, True)
     _shard(model, True)
     if what == "extension":
         _patch_instance_extension(model.layers[0], bound=False)  # plain functions set on the local tensors
-    else:
+    elif form != "method":
         for m in (model, twin):
             checkpoint(m.layers[0])
     before = {k: v.to_local().clone() for k, v in model.state_dict().items()}
@@ -1756,7 +1760,41 @@ def _refused(form: str, what: str = "extension") -> tuple[str, str]:
         return kind, message, kept, None
     losses, _ = _train(model, 2, rank, w)
     twins, _ = _train(twin, 2, rank, w)
-    return kind, message, kept, losses == twins and all(torch.equal(v, _full(twin)[k]) for k, v in _full(model).items())
+    full_twin = _full(twin)
+    return kind, message, kept, losses == twins and all(torch.equal(v, full_twin[k]) for k, v in _full(model).items())
+
+
+def _checkpointed_without_grad() -> dict:
+    """Torch's composable ``checkpoint()`` on a block, the model compiled whole (graph breaks
+    allowed: dynamo does not trace that hook): run without grad (nothing recomputed), then with."""
+    from torch.distributed._composable import checkpoint
+
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    model = llama64(LlamaConfig(n_layers=2))
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        checkpoint(m.layers[0])
+        _shard(m, True)
+    model.compile(backend="aot_eager")
+    x, _ = synthetic_batch(0, 2 * w, 8, 101)
+    x = x.chunk(w)[rank]
+    with torch.no_grad():
+        equal = torch.equal(model(x), twin(x))
+    try:
+        model(x).sum().backward()
+        return {"equal": equal, "with_grad": "no error"}
+    except RuntimeError as e:
+        return {"equal": equal, "with_grad": str(e)}
+
+
+def test_torchs_composable_checkpoint_in_a_whole_compiled_model_runs_without_grad(ranks):
+    """Without grad nothing is recomputed: the compiled model's output equals eager's to the bit;
+    the next call with grad is refused (`test_torchs_composable_checkpoint_in_a_whole_compiled_model_is_refused_with_the_fix`)."""
+    for r in ranks(2).run(_checkpointed_without_grad):
+        assert r["equal"], r
+        assert "composable checkpoint() was applied to its submodule 'layers.0'" in r["with_grad"], r
 
 
 @pytest.mark.parametrize("form", ["wrap", "method", "step"])
@@ -1781,11 +1819,11 @@ def test_extension_methods_set_on_a_tensor_instance_unbound_are_refused_when_tra
 def test_torchs_composable_checkpoint_in_a_whole_compiled_model_is_refused_with_the_fix(ranks, form):
     """torch's composable ``checkpoint()`` on a block of a model compiled whole: its recompute runs
     the block eagerly in backward and hands back its saved tensors by position, where the
-    compiled forward saved others (was: torch's ``CheckpointError``, as without fully_shard and
-    with PyTorch's; its check compares only shapes and dtypes). Refused before anything runs,
-    naming the module and the fixes; the shards unchanged, and the model (not compiled in place)
-    then trains eagerly as its untouched twin. Compiled per block it works
-    (tests/test_compile.py, ``block_checkpoint``)."""
+    compiled forward saved others (was: torch's ``CheckpointError``, as with PyTorch's; its check
+    compares only shapes and dtypes). Refused before anything runs, naming the module and the
+    fixes, with ``checkpoint()`` applied after ``fully_shard`` ("wrap", "step") or before
+    ("method"); the shards unchanged, and the model (not compiled in place) then trains eagerly as
+    its untouched twin. Compiled per block it works (tests/test_compile.py, ``block_checkpoint``)."""
     for kind, message, kept, trains in ranks(2).run(_refused, form, "checkpoint"):
         if form != "step":
             assert kind == "RuntimeError", (kind, message)

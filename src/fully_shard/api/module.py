@@ -513,20 +513,27 @@ def _mixed_class(prefix: str, mixin: type, cls: type) -> type:
     attrs = {
         "__module__": cls.__module__,
         "_fsdp_original_class": cls,
-        "__init__": _construct_original,
+        "__init__": _constructing_original(cls),
         "forward": _ending_traced_forward(cls, name),
     }
     return type(name, (mixin, cls), attrs)
 
 
-def _construct_original(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """``__init__`` of a sharded class, run only for an object `FSDPModule.__new__` made (a
-    constructor call without arguments, ``type(block)()``): the original class's, on an object
-    of that class (was: a sharded-class module with no state, whose ``FSDPModule`` methods raised
-    ``KeyError: '_fsdp_state'``)."""
-    original = type(self)._fsdp_original_class  # type: ignore[attr-defined]
-    object.__setattr__(self, "__class__", original)
-    original.__init__(self, *args, **kwargs)
+def _constructing_original(cls: type) -> Callable[..., None]:
+    """``__init__`` for the class `fully_shard` gives a ``cls`` module. Python runs it only on an
+    object `FSDPModule.__new__` made (a constructor call without arguments, ``type(block)()``; a
+    copy or an unpickled module runs none): that object becomes a ``cls`` initialised by ``cls``,
+    as with arguments (was: a sharded-class module with no state, whose ``FSDPModule`` methods
+    raised ``KeyError: '_fsdp_state'``). On a module that has its state (``module.__init__()``
+    called again) it is ``cls.__init__``, as before. ``inspect.signature`` reads ``cls``'s."""
+
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if "_fsdp_state" not in self.__dict__:
+            object.__setattr__(self, "__class__", cls)
+        cls.__init__(self, *args, **kwargs)
+
+    functools.update_wrapper(__init__, cls.__init__, updated=())
+    return __init__
 
 
 def _ending_traced_forward(cls: type, name: str) -> Callable[..., Any]:

@@ -403,8 +403,11 @@ def refuse_untraceable_tree(state: Any) -> None:
     if state.__dict__.get("_tree_traceable"):
         return
     for s in fsdp_states(state.modules):  # ``state``'s and those below it (``state`` may be a block)
-        refuse_untraceable(s)
-    state._tree_traceable = True
+        message = _untraceable(s)
+        if message:
+            raise RuntimeError(message)
+    if torch.is_grad_enabled():  # (without grad, a composable checkpoint was not looked for)
+        state._tree_traceable = True
 
 
 def _keep_instance_methods(fp: Any) -> bool:
@@ -428,8 +431,8 @@ def refuse_untraceable(state: Any) -> None:
     second path to each, see `registry.BY_KEY`)."""
     if torch.compiler.is_compiling():
         message = _untraceable_of(id(state))  # (torch 2.11 passes only constants to such calls)
-    else:
-        message = _untraceable(state)
+    else:  # (a hook run eagerly each step: its tree was walked once, `refuse_untraceable_tree`)
+        message = _untraceable(state, walk=False)
     if message:
         raise RuntimeError(message)
 
@@ -441,7 +444,9 @@ def _untraceable_of(key: int) -> str:
     return _untraceable(state) if state is not None else ""  # (unkeyed: it manages nothing)
 
 
-def _untraceable(state: Any) -> str:
+def _untraceable(state: Any, walk: bool = True) -> str:
+    """The refusal's message for ``state``, else "". ``walk``: also look for torch's composable
+    ``checkpoint()`` under its modules (with grad enabled: without, nothing is recomputed)."""
     for g in state.groups:
         for fp in g.params:
             if _keep_instance_methods(fp):
@@ -456,7 +461,7 @@ def _untraceable(state: Any) -> str:
                     "in model.layers: block.compile()), where the eager engine drives the collectives "
                     "(docs/compile.md)."
                 )
-    path = composable_checkpointed(state)
+    path = composable_checkpointed(state) if walk and torch.is_grad_enabled() else None
     if path is not None:
         return (
             f"fully_shard: torch.compile traces {state.name()} as part of a whole compiled model, "
@@ -477,12 +482,12 @@ def composable_checkpointed(state: Any) -> Optional[str]:
     """The name of the first module under ``state``'s modules that torch's composable
     ``checkpoint()`` was applied to, else None."""
     try:
-        from torch.distributed._composable.contract import _get_registry
+        from torch.distributed._composable.contract import REGISTRY_KEY
     except ImportError:  # (a torch without composable APIs has no such checkpoint either)
         return None
     for module in state.modules:
         for path, sub in module.named_modules():
-            if "checkpoint" in (_get_registry(sub) or {}):
+            if "checkpoint" in sub.__dict__.get(REGISTRY_KEY, ()):
                 return f"its submodule '{path}'" if path else "it"
     return None
 
