@@ -1764,9 +1764,15 @@ def _refused(form: str, what: str = "extension") -> tuple[str, str]:
     return kind, message, kept, losses == twins and all(torch.equal(v, full_twin[k]) for k, v in _full(model).items())
 
 
-def _checkpointed_without_grad() -> dict:
-    """Torch's composable ``checkpoint()`` on a block, the model compiled whole (graph breaks
-    allowed: dynamo does not trace that hook): run without grad (nothing recomputed), then with."""
+# the pieces dynamo compiles between the graph breaks at the checkpoint's hooks (torch 2.11 and 2.13)
+_NO_GRAD_GRAPHS = 5
+
+
+def _checkpointed_without_grad(form: str) -> dict:
+    """Torch's composable ``checkpoint()`` on a block, the model compiled whole (``form``: "method",
+    ``model.compile()``; "wrap", ``torch.compile(model)``; graph breaks allowed: dynamo does not
+    trace that hook): run twice without grad (nothing recomputed), then with grad."""
+    from torch._dynamo.utils import counters
     from torch.distributed._composable import checkpoint
 
     _fresh_compiler()
@@ -1777,24 +1783,34 @@ def _checkpointed_without_grad() -> dict:
     for m in (model, twin):
         checkpoint(m.layers[0])
         _shard(m, True)
-    model.compile(backend="aot_eager")
+    if form == "method":
+        model.compile(backend="aot_eager")
+        call = model
+    else:
+        call = torch.compile(model, backend="aot_eager")
     x, _ = synthetic_batch(0, 2 * w, 8, 101)
     x = x.chunk(w)[rank]
     with torch.no_grad():
-        equal = torch.equal(model(x), twin(x))
+        equal = all(torch.equal(call(x), twin(x)) for _ in range(2))
+    out = {"equal": equal, "graphs": counters["stats"]["unique_graphs"]}
     try:
-        model(x).sum().backward()
-        return {"equal": equal, "with_grad": "no error"}
-    except RuntimeError as e:
-        return {"equal": equal, "with_grad": str(e)}
+        call(x).sum().backward()
+        return {**out, "with_grad": "no error"}
+    except Exception as e:  # (dynamo's own errors are RuntimeErrors too: the type is compared)
+        return {**out, "with_grad": (type(e).__name__, str(e))}
 
 
-def test_torchs_composable_checkpoint_in_a_whole_compiled_model_runs_without_grad(ranks):
-    """Without grad nothing is recomputed: the compiled model's output equals eager's to the bit;
-    the next call with grad is refused (`test_torchs_composable_checkpoint_in_a_whole_compiled_model_is_refused_with_the_fix`)."""
-    for r in ranks(2).run(_checkpointed_without_grad):
-        assert r["equal"], r
-        assert "composable checkpoint() was applied to its submodule 'layers.0'" in r["with_grad"], r
+@pytest.mark.parametrize("form", ["method", "wrap"])
+def test_torchs_composable_checkpoint_in_a_whole_compiled_model_runs_without_grad(ranks, form):
+    """Without grad nothing is recomputed: the compiled model's output equals eager's to the bit,
+    its graphs made (the compiled pieces between the checkpoint hook's graph breaks) and not made
+    again; the next call with grad is refused before it is traced, with our message
+    (`test_torchs_composable_checkpoint_in_a_whole_compiled_model_is_refused_with_the_fix`)."""
+    for r in ranks(2).run(_checkpointed_without_grad, form):
+        assert r["equal"] and r["graphs"] == _NO_GRAD_GRAPHS, r
+        kind, message = r["with_grad"]
+        assert kind == "RuntimeError", r
+        assert "composable checkpoint() was applied to its submodule 'layers.0'" in message, r
 
 
 @pytest.mark.parametrize("form", ["wrap", "method", "step"])

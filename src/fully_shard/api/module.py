@@ -49,8 +49,9 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         """Constructing a sharded class builds its original class: a container's slice
         (``self.__class__(...)`` in ``nn.Sequential``) is a plain container of the sharded children.
-        With no arguments the object is made here and `_construct_original` turns it into the
-        original class; copies and unpickling (no ``__init__``) keep the sharded class."""
+        With no arguments the object is made here and its class's ``__init__``
+        (`_constructing_original`) turns it into the original class; copies and unpickling (no
+        ``__init__``) keep the sharded class."""
         if not args and not kwargs:
             return super().__new__(cls)
         original = getattr(cls, "_fsdp_original_class", cls.__bases__[-1])
@@ -471,6 +472,7 @@ class _CompileOnFirstCall:
             whole_model_kwargs,
         )
         self.compiled: Optional[Callable[..., Any]] = None
+        self.whole = False  # compiled as the whole model (decided at the first call)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.compiled is None:
@@ -479,10 +481,12 @@ class _CompileOnFirstCall:
             ctx = self.module._get_fsdp_state().ctx  # type: ignore[attr-defined]
             eager_around = ctx is not None and ctx.root.phase is TrainingPhase.FORWARD
             how = self.kwargs if eager_around else self.whole_model_kwargs
-            if not eager_around:  # the whole model traced: refused here, with the message (`traced`)
-                traced.refuse_untraceable_tree(self.module._get_fsdp_state())  # type: ignore[attr-defined]
+            self.whole = not eager_around
             with torch._dynamo.config.patch(wrap_top_frame=not eager_around):
                 self.compiled = torch.compile(self.module._call_impl, *self.args, **how)
+        if self.whole:  # the whole model traced: refused here, with the message (`traced`; once
+            # per grad mode, then a lookup)
+            traced.refuse_untraceable_tree(self.module._get_fsdp_state())  # type: ignore[attr-defined]
         return self.compiled(*args, **kwargs)
 
 

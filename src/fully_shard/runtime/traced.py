@@ -397,17 +397,19 @@ def install(places: list[tuple[Any, Any]], state: Any, tree: list[Any]) -> None:
 @torch.compiler.disable  # plain Python, its callees too: dynamo would compile each as a frame
 def refuse_untraceable_tree(state: Any) -> None:
     """`refuse_untraceable` for every state under ``state``'s modules, outside any trace (the
-    root's hook objects of ``torch.compile(model)``, ``FSDPModule.compile``'s first call): inside a
-    trace, dynamo reports only "Observed exception", without the message. Once per
-    state; a setting changed later is still refused inside the trace."""
-    if state.__dict__.get("_tree_traceable"):
+    root's hook objects of ``torch.compile(model)``, ``FSDPModule.compile``'s calls of a whole
+    model): inside a trace, dynamo reports only "Observed exception", without the message. Once
+    per state and grad mode (with grad it looks for more); a setting changed later is refused
+    inside the next trace, where the state's own modules are looked at again."""
+    grad = torch.is_grad_enabled()  # (without grad no composable checkpoint is looked for)
+    checked = state.__dict__.get("_tree_traceable")
+    if checked == "grad" or (checked == "no_grad" and not grad):
         return
     for s in fsdp_states(state.modules):  # ``state``'s and those below it (``state`` may be a block)
         message = _untraceable(s)
         if message:
             raise RuntimeError(message)
-    if torch.is_grad_enabled():  # (without grad, a composable checkpoint was not looked for)
-        state._tree_traceable = True
+    state._tree_traceable = "grad" if grad else "no_grad"
 
 
 def _keep_instance_methods(fp: Any) -> bool:
