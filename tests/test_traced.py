@@ -1721,7 +1721,7 @@ def test_extension_methods_bound_to_a_tensor_instance_compiled_equal_eager(ranks
         assert r["graphs"] == 1, r
 
 
-def _refused(form: str, what: str = "extension") -> tuple[str, str]:
+def _refused(form: str, what: str = "extension") -> tuple:
     """``what``: "extension" (plain functions set on a layer's local tensors) or "checkpoint"
     (torch's composable ``checkpoint()`` on a layer, after ``fully_shard``: then, as the last
     items, whether every parameter is still its shard, unchanged, and for a model not compiled in
@@ -1775,14 +1775,10 @@ def _checkpointed_without_grad(form: str) -> dict:
     from torch._dynamo.utils import counters
     from torch.distributed._composable import checkpoint
 
-    _fresh_compiler()
     rank, w = world()
-    torch.manual_seed(0)
-    model = llama64(LlamaConfig(n_layers=2))
-    twin = copy.deepcopy(model)
+    model, twin = _sharded_pair(2)
     for m in (model, twin):
         checkpoint(m.layers[0])
-        _shard(m, True)
     if form == "method":
         model.compile(backend="aot_eager")
         call = model

@@ -406,7 +406,7 @@ def refuse_untraceable_tree(state: Any) -> None:
     if checked == "grad" or (checked == "no_grad" and not grad):
         return
     for s in fsdp_states(state.modules):  # ``state``'s and those below it (``state`` may be a block)
-        message = _untraceable(s)
+        message = _untraceable(s, walk=s is state)  # (``state``'s walk covers the modules below)
         if message:
             raise RuntimeError(message)
     state._tree_traceable = "grad" if grad else "no_grad"
@@ -463,7 +463,7 @@ def _untraceable(state: Any, walk: bool = True) -> str:
                     "in model.layers: block.compile()), where the eager engine drives the collectives "
                     "(docs/compile.md)."
                 )
-    path = composable_checkpointed(state) if walk and torch.is_grad_enabled() else None
+    path = _composable_checkpointed(state) if walk and torch.is_grad_enabled() else None
     if path is not None:
         return (
             f"fully_shard: torch.compile traces {state.name()} as part of a whole compiled model, "
@@ -480,7 +480,7 @@ def _untraceable(state: Any, walk: bool = True) -> str:
     return ""
 
 
-def composable_checkpointed(state: Any) -> Optional[str]:
+def _composable_checkpointed(state: Any) -> Optional[str]:
     """The name of the first module under ``state``'s modules that torch's composable
     ``checkpoint()`` was applied to, else None."""
     try:
