@@ -66,7 +66,7 @@ def _kwargs(lib, wrap, case: dict, mesh) -> dict:
     elif policy == "custom":
         kwargs["auto_wrap_policy"] = wrap.CustomPolicy(lambda m: isinstance(m, Block) and m.lin.in_features != 13)
     if "mp" in case:
-        kwargs["mixed_precision"] = lib.MixedPrecision(param_dtype=case["mp"], reduce_dtype=case["mp"])
+        kwargs["mixed_precision"] = lib.MixedPrecision(param_dtype=case["mp"], reduce_dtype=case.get("reduce", case["mp"]))
     if case.get("offload"):
         kwargs["cpu_offload"] = lib.CPUOffload(offload_params=True)
     if mesh is not None:
@@ -190,6 +190,15 @@ def test_fsdp1_hybrid_matches_reference(ranks, strategy):
 
 def test_fsdp1_bf16_mixed_precision_is_pytorch_bit_for_bit(ranks):
     for r in ranks(2).run(_fsdp1_parity, {"strategy": "FULL_SHARD", "mp": torch.bfloat16, "dtype": torch.float32}):
+        assert r["vs_torch_loss"] == 0.0 and r["vs_torch_param"] == 0.0, r
+
+
+def test_fsdp1_no_sync_with_bf16_params_and_fp32_reduction_is_pytorch_bit_for_bit(ranks):
+    """FSDP1's no_sync sums the unsharded gradients in the param dtype (bf16), cast to the reduce
+    dtype only for the reduction (FSDP2 sums them in the reduce dtype: tests/test_mixed_precision.py)."""
+    case = {"strategy": "FULL_SHARD", "mp": torch.bfloat16, "reduce": torch.float32, "dtype": torch.float32,
+            "no_sync": 2}
+    for r in ranks(2).run(_fsdp1_parity, case):
         assert r["vs_torch_loss"] == 0.0 and r["vs_torch_param"] == 0.0, r
 
 

@@ -58,13 +58,14 @@ def _count(gm, op: str) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op)
 
 
-def _shard(model, reshard, mp=None, mesh=None, root=None):
-    """Each layer with ``reshard``, the root with ``root`` (None: the default, which keeps)."""
+def _shard(model, reshard, mp=None, mesh=None, root=None, list_form=False):
+    """Each layer with ``reshard`` (``list_form``: all in one ``fully_shard([...])`` group), the
+    root with ``root`` (None: the default, which keeps)."""
     from fully_shard import MixedPrecisionPolicy, fully_shard
 
     mesh = mesh or cpu_mesh()
     mp = mp or MixedPrecisionPolicy()
-    for layer in model.layers:
+    for layer in [list(model.layers)] if list_form else model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=root)
     return model
@@ -333,11 +334,12 @@ def test_uneven_frozen_interleaved_eager_and_reloaded(ranks, world_size):
             assert r["param_diff"] <= TOL64, r
 
 
-def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
+def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False, list_form: bool = False) -> dict:
     """Micro-batches with and without gradient sync (``hsdp``: on a (2, w/2) mesh, with the
     all-reduce deferred instead): eager, against ``mode`` ("compiled": 2 steps of 3 micro-batches,
     the first two without sync, all compiled; "mixed": `_ACCUMULATING`, where accumulation crosses
-    between compiled and eager micro-batches in both directions)."""
+    between compiled and eager micro-batches in both directions). ``bf16``: bf16 parameters, fp32
+    reduction (the sums without sync held apart in fp32); ``list_form``: the layers one group."""
     from torch._dynamo.utils import counters
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -352,8 +354,8 @@ def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
     if bf16:
         eager = eager.float()
     compiled = copy.deepcopy(eager)
-    _shard(eager, True, mp, mesh)
-    _shard(compiled, True, mp, mesh)
+    _shard(eager, True, mp, mesh, list_form=list_form)
+    _shard(compiled, True, mp, mesh, list_form=list_form)
     graphs: dict = {}
     fn = torch.compile(compiled, backend=_capturing_backend(graphs), fullgraph=True)
     losses = [[], []]
@@ -380,8 +382,11 @@ def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False) -> dict:
         "bw_graphs": len(graphs.get("bw", [])),
         "no_sync_bw_graphs": len(no_sync_bw),
         "no_sync_bw_ag": [_count(g, AG) for g in no_sync_bw],
-        "unsharded_grads_left": sum(fp.unsharded_param is not None and fp.unsharded_param.grad is not None
+        "unsharded_grads_left": sum((fp.unsharded_param is not None and fp.unsharded_param.grad is not None)
+                                    or fp.unsynced_grad is not None
                                     for g in compiled.layers[0]._get_fsdp_state().own for fp in g.params),
+        "fw_ag": sorted({_count(g, AG) for g in graphs.get("fw", [])}),
+        "bw_rs": sorted({_count(g, RS) for g in graphs.get("bw", [])}),
         "bw_ar_rs": sorted((_count(g, AR), _count(g, RS)) for g in graphs.get("bw", [])),
         "partials_left": sum(fp.partial_reduce is not None for m in compiled.modules()
                              if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state().own for fp in g.params),
@@ -1203,6 +1208,24 @@ def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
         if world_size > 1:  # (world 1 has no collectives to count)
             # the blocks regather (the root keeps its parameters), nothing is reduced
             assert r["no_sync_bw_graphs"] == 1 and r["no_sync_bw_ag"] == [2], r
+
+
+@pytest.mark.parametrize("world_size,mode,bf16", [(1, "compiled", True), (2, "mixed", True), (4, "compiled", False)])
+def test_a_list_form_group_is_gathered_once_and_accumulates_as_eager(ranks, world_size, mode, bf16):
+    """``fully_shard([layer0, layer1])`` compiled whole: one all-gather for the group in forward
+    and one reduce-scatter in backward, as eager (each member's forward gathered it again, and its
+    gradients reached two reduce-scatters: with bf16 parameters, 1e-4 off eager's accumulation);
+    micro-batches without sync, bf16 at world 1 and 2 (fp32 reduction: the sums held apart in
+    fp32), equal to eager to the bit (world 2: mixed with eager micro-batches)."""
+    for r in ranks(world_size).run(_accumulation, mode, bf16, False, True):
+        print(f"world {world_size} {mode} bf16={bf16}: {r}")
+        assert r["unsharded_grads_left"] == 0 and r["partials_left"] == 0, r
+        if world_size <= 2:
+            assert r["losses_equal"] and r["params_equal"], r
+        else:
+            assert r["param_diff"] <= TOL64, r
+        if world_size > 1:  # the root's group and the list's: two all-gathers, two reduce-scatters
+            assert r["fw_ag"] == [2] and r["bw_rs"] == [0, 2], r
 
 
 def _compiled_optimizer() -> dict:

@@ -191,6 +191,8 @@ class FullyShardedDataParallel(FSDPModule, nn.Module):
         self._set_backward_prefetch(args.backward_prefetch)
         if mp is not None and mp.keep_low_precision_grads and mp.param_dtype is not None:
             self._get_fsdp_state().update_settings(keep_low_precision_grads=True)
+        # no_sync sums the unsharded gradients in the param dtype (FSDP2 sums them in the reduce dtype)
+        self._get_fsdp_state().update_settings(accumulate_in_reduce_dtype=False)
         # State dicts at any depth (a root inside a container too): names first, then values.
         self._register_state_dict_hook(_strip_wrapped_prefix)
         self._register_state_dict_hook(_convert_state_dict)

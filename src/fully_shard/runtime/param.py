@@ -150,7 +150,7 @@ class FSDPParam:
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=info.device)
         self.unsharded_param: Optional[nn.Parameter] = None
         self._partial: Optional[torch.Tensor] = None  # HSDP: `partial_leaf`
-        self._carried_grad: Optional[torch.Tensor] = None  # `_drop_unsharded`
+        self._unsynced: Optional[torch.Tensor] = None  # gradients without sync held apart: `unsynced_leaf`
         # The local tensor last taken over and its wrapper's storage (`wrapper_key`): another local
         # tensor means something swapped it, another storage a ``p.data = t`` (notice_changes).
         self._seen: Optional[tuple[torch.Tensor, int]] = None
@@ -181,7 +181,7 @@ class FSDPParam:
             out += [("unsharded_params", t) for t in self.ext.outputs]
         shard = self.padded_shard if self.padded_shard is not None else self.local_shard
         out += [("sharded_params", shard), ("gradients", self.sharded_param.grad)]
-        out += [("gradients", self.partial_reduce), ("gradients", self._carried_grad)]
+        out += [("gradients", self.partial_reduce), ("gradients", self.unsynced_grad)]
         if self.unsharded_param is not None:
             out.append(("gradients", self.unsharded_param.grad))
         return out
@@ -447,7 +447,6 @@ class FSDPParam:
         if self.where.tp is not None:
             tensor = self.where.tp.unsharded(tensor)
         self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
-        self.unsharded_param.grad, self._carried_grad = self._carried_grad, None
         register_unsharded(self, self.unsharded_param)
         return self.unsharded_param
 
@@ -493,14 +492,21 @@ class FSDPParam:
             self.ext.free()
         self.padded_unsharded.untyped_storage().resize_(0)
 
+    def take_accumulated(self, in_place: bool = True) -> Optional[torch.Tensor]:
+        """Remove the gradients accumulated since the last reduction: those held apart, with the
+        unsharded parameter's ``.grad`` (TP-local) added (``in_place``: into the held sum, as
+        PyTorch's accumulated gradient, fp32 += bf16)."""
+        grad = self._take_raw_unsharded_grad()
+        held = self.take_unsynced()
+        if held is None or grad is None:
+            return held if grad is None else grad
+        return held.add_(grad) if in_place else held + grad
+
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
-        """Remove the unsharded parameter's gradient; return it with the shard dim in front."""
-        if self.unsharded_param is None or self.unsharded_param.grad is None:
+        """`take_accumulated`, with the shard dim in front."""
+        grad = self.take_accumulated()
+        if grad is None:
             return None
-        grad = self.unsharded_param.grad
-        self.unsharded_param.grad = None
-        if self.where.tp is not None:
-            grad = self.where.tp.local_grad(grad)
         shape = self.where.shape
         if grad.shape != shape:
             raise RuntimeError(
@@ -509,6 +515,14 @@ class FSDPParam:
         if self.where.view is not None:
             return grad.reshape(-1)
         return grad.movedim(self.where.layout.dim, 0) if self.where.layout.dim else grad.contiguous()
+
+    def _take_raw_unsharded_grad(self) -> Optional[torch.Tensor]:
+        """The unsharded parameter's ``.grad`` (TP-local), removed."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return None
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        return self.where.tp.local_grad(grad) if self.where.tp is not None else grad
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
@@ -612,6 +626,60 @@ class FSDPParam:
             return None
         where = self.where
         return torch.zeros(where.layout.moved_shape, dtype=self.dtypes.param, device=where.info.device)
+
+    # Gradients accumulated without sync (``set_requires_gradient_sync(False)``) stay on the unsharded
+    # parameter's ``.grad``, where autograd adds each backward's, except where they are held apart as
+    # the ``.grad`` of a leaf that holds no memory (`unsynced_leaf`): in the reduce dtype where it
+    # differs from the param dtype (`accumulates_apart`: PyTorch's FSDP2 rule, each micro-batch's bf16
+    # gradient cast once and summed in float32), and across an unsharded parameter dropped
+    # (`_drop_unsharded`). A compiled backward adds to the leaf as autograd adds any gradient
+    # (runtime/traced.py), an eager one by hand (`hold_unsynced`); the reduction takes both.
+
+    @property
+    def accumulates_apart(self) -> bool:
+        """Whether gradients without sync are summed in the reduce dtype, apart from the unsharded
+        parameter (where it differs from the param dtype; FSDP1's rule sums them in the param dtype)."""
+        dtypes, group = self.dtypes, self.group
+        return (
+            dtypes.reduce != dtypes.param and group is not None and group.settings.accumulate_in_reduce_dtype
+        )
+
+    def unsynced_leaf(self, dtype: torch.dtype) -> torch.Tensor:
+        """The leaf whose ``.grad`` holds gradients accumulated apart (made when missing or stale)."""
+        leaf, shape, device = self._unsynced, self.where.shape, self.where.info.device
+        if leaf is None or (
+            leaf.grad is None and (leaf.dtype, leaf.device, leaf.shape) != (dtype, device, shape)
+        ):
+            leaf = self._unsynced = torch.zeros((), dtype=dtype, device=device).expand(shape).requires_grad_()
+        return leaf
+
+    @property
+    def unsynced_grad(self) -> Optional[torch.Tensor]:
+        return None if self._unsynced is None else self._unsynced.grad
+
+    def take_unsynced(self) -> Optional[torch.Tensor]:
+        leaf = self._unsynced
+        if leaf is None or leaf.grad is None:
+            return None
+        held, leaf.grad = leaf.grad, None
+        return held
+
+    def hold_unsynced(self) -> None:
+        """After a backward without sync: where gradients accumulate apart, this backward's moves
+        from the unsharded parameter to the leaf (cast to the reduce dtype, added to what is there)."""
+        if self.accumulates_apart:
+            self._hold(self._take_raw_unsharded_grad())
+
+    def _hold(self, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:
+            return
+        held = self.unsynced_grad
+        if held is not None:
+            held.add_(grad)
+            return
+        dtype = self.dtypes.reduce if self.accumulates_apart else grad.dtype
+        leaf = self.unsynced_leaf(dtype)
+        leaf.grad = grad.to(dtype) if grad.dtype != dtype else grad
 
     def sync_with_module(self, adopt_device: bool = False) -> bool:
         """Take over what replaced or converted this parameter while sharded; return whether anything
@@ -788,12 +856,11 @@ class FSDPParam:
 
     def _drop_unsharded(self) -> None:
         """Forget the unsharded buffers (their dtype changed, or an extension builds them now); the
-        next unshard makes new ones, and takes over a gradient accumulated without sync."""
+        next unshard makes new ones. A gradient accumulated without sync is held apart meanwhile."""
         assert not self.is_unsharded, f"parameter {self.fqn} changed while unsharded"
+        self._hold(self._take_raw_unsharded_grad())
         self.padded_unsharded = torch.empty(0, dtype=self.dtypes.param, device=self.where.info.device)
-        old, self.unsharded_param = self.unsharded_param, None
-        if old is not None and old.grad is not None and old.grad.dtype == self.dtypes.param:
-            self._carried_grad = old.grad
+        self.unsharded_param = None
 
 
 _MISSING = object()

@@ -505,6 +505,8 @@ class FSDPParamGroup:
                     params.append(p)
                     grads.append(grad)
                     any_grad = any_grad or grad is not None
+            for p in self.trainable if not sync else ():
+                p.hold_unsynced()
             if reshard:
                 self.reshard()
             if not any_grad:  # nothing on this rank: no reduction (as every rank, usually)
@@ -626,12 +628,12 @@ class FSDPParamGroup:
         size, and where this rank had no gradient. Made on the compute stream, where the gradients
         were: they are freed right after, with no cross-stream hazard."""
         device = self.info.device
-        # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients'.
-        gdtype = dtype
-        for g in grads:
-            if g is not None:
-                gdtype = g.dtype
-                break
+        # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients', or
+        # ``dtype`` where they differ (a sum accumulated apart in the reduce dtype beside a bf16 one).
+        gdtypes = {g.dtype for g in grads if g is not None}
+        gdtype = gdtypes.pop() if len(gdtypes) == 1 else dtype
+        if gdtypes:
+            grads[:] = [g if g is None or g.dtype == dtype else g.to(dtype) for g in grads]
         inputs, slot, missing = [], 0, []
         for i, (p, g) in enumerate(zip(params, grads)):
             slot += p.where.layout.shard_numel

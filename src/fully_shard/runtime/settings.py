@@ -39,6 +39,9 @@ class Settings:
     reduce_unused: bool = True
     reduce_dtype: Optional[torch.dtype] = None  # overrides the policy's (FSDP1's compress hooks)
     keep_low_precision_grads: bool = False  # FSDP1's: .grad in param_dtype after the last backward
+    # FSDP2's: gradients accumulated without sync are summed in the reduce dtype where it differs from
+    # the param dtype; False (FSDP1's): in the param dtype until the reduction (runtime/param.py)
+    accumulate_in_reduce_dtype: bool = True
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
     all_reduce_hook_stream: Optional[torch.Stream] = None
     # -- communication --

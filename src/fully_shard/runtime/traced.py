@@ -65,7 +65,7 @@ from .state import _cast_floats, fsdp_states
 
 # what a further input of a traced gather is (`gather_group`'s slots); the sums backward adds are
 # saved; `_ONCE`, a flag that backward adds them once (`_sums_once`)
-_ACCUMULATOR, _PENDING, _LEAF, _PARTIAL, _ONCE = range(5)
+_ACCUMULATOR, _PENDING, _LEAF, _PARTIAL, _ONCE, _APART = range(6)
 _SAVED = (_PENDING, _PARTIAL)
 _C10D = torch.ops._c10d_functional
 _MARKED = threading.local()  # .states: the states whose modules `_set_functional` marked in this thread
@@ -92,10 +92,11 @@ def traced_pre_forward(
     module's own hooks as frames of their own, outside its forward's graph) the groups are gathered
     where their parameters are first read (`traced_param`)."""
     refuse_untraceable(state)
-    state._traced = None  # (what a forward that raised gathered: not this one's)
-    if not state.nested:  # (handles of a forward the root's post-forward did not end)
+    if not _members_continue(state, module):
+        state._traced = None  # (what a forward that raised gathered: not this one's)
+    if not state.nested:  # (handles and gathers of a forward the root's post-forward did not end)
         for under in state._traced_tree:
-            under._traced_handles = None
+            under._traced_handles = under._traced = None
     if not torch.compiler.is_compiling():  # dynamo left this frame eager: the forward may run eager too
         _set_functional(state, True)
     elif inlined:
@@ -105,6 +106,15 @@ def traced_pre_forward(
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
     return args, kwargs
+
+
+def _members_continue(state: Any, module: nn.Module) -> bool:
+    """Whether ``module`` is a member of a list-form call (``fully_shard([a, b])``) whose forward
+    continues the members' forward under way: they read the group gathered once (as eager's)."""
+    gathered = state._traced
+    if gathered is None or len(state.modules) == 1 or "members" not in gathered:
+        return False
+    return state._member_index(module) not in gathered["members"]
 
 
 def traced_post_forward(
@@ -117,8 +127,15 @@ def traced_post_forward(
     root. The root ties every handle of the states under it to its output (`_carry`), with those
     of a reduction of each group whose sums no gather of this forward took (its module did not
     run), as eager's end of backward reduces them (`_left_over`)."""
-    handles = state._traced.get("carrying", []) if state._traced is not None else []
-    state._traced = None  # the next forward makes a new dict (`traced_param`)
+    gathered = state._traced
+    handles = gathered.pop("carrying", []) if gathered is not None else []
+    if gathered is not None and len(state.modules) > 1:  # a list-form call: its group is gathered
+        members = (*gathered.get("members", ()), state._member_index(module))  # once for all of them
+        gathered["members"] = members
+        if len(set(members)) == len(state.modules):
+            state._traced = None
+    else:
+        state._traced = None  # the next forward makes a new dict (`traced_param`)
     if not torch.compiler.is_compiling():
         _set_functional(state, False)
     dtype = state.mp_policy.output_dtype
@@ -166,7 +183,7 @@ def _holds_sums(group: Any) -> bool:
     all_reducing = settings.requires_all_reduce and info.is_hsdp and info.replicate_size > 1  # (as `_Plan`)
     for fp in group.params:
         unsharded = fp.unsharded_param
-        if unsharded is not None and unsharded.grad is not None:
+        if (unsharded is not None and unsharded.grad is not None) or fp.unsynced_grad is not None:
             return True
         if all_reducing and fp.partial_reduce is not None:
             return True
@@ -524,7 +541,7 @@ def gather_group(
     found: list[tuple[int, int, torch.Tensor]] = []
     for i, fp in zip(range(len(params)), params):  # (enumerate: a traced polyfill)
         if fp.requires_grad and not plan.sync:
-            found.append((_ACCUMULATOR, i, _accumulator(fp)))
+            found.append((_APART if fp.accumulates_apart else _ACCUMULATOR, i, _accumulator(fp)))
         elif fp.requires_grad and plan.defer:
             found.append((_LEAF, i, _partial_leaf(fp, plan)))
     takes = plan.sync and torch.is_grad_enabled()
@@ -606,9 +623,20 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _accumulator(fp: Any) -> torch.nn.Parameter:
+def _accumulator(fp: Any) -> torch.Tensor:
     """The unsharded parameter whose ``.grad`` sums a parameter's gradients without sync (made,
-    storage freed, by ``set_requires_gradient_sync(False)``: a graph cannot make one)."""
+    storage freed, by ``set_requires_gradient_sync(False)``: a graph cannot make one), or the leaf
+    that sums them apart in the reduce dtype (`FSDPParam.accumulates_apart`)."""
+    if fp.accumulates_apart:
+        leaf = fp._unsynced
+        if leaf is None or leaf.dtype != fp.dtypes.reduce or leaf.shape != fp.where.shape:
+            raise RuntimeError(
+                f"fully_shard: {fp.path} has no place in its reduce dtype to accumulate gradients "
+                "without sync under torch.compile (set_requires_gradient_sync(False) makes one; the "
+                "module's dtype changed since, or the module is a copy). Fix: call "
+                "module.set_requires_gradient_sync(False) again just before the compiled micro-batch."
+            )
+        return leaf
     unsharded = fp.unsharded_param
     if unsharded is None or unsharded.dtype != fp.dtypes.param:
         raise RuntimeError(
@@ -669,12 +697,7 @@ def _sums_once(group: Any) -> torch.Tensor:
 
 
 def _take_accumulated(fp: Any) -> Optional[torch.Tensor]:
-    unsharded = fp.unsharded_param
-    if unsharded is None or unsharded.grad is None:
-        return None
-    grad = unsharded.grad
-    unsharded.grad = None
-    return fp.where.tp.local_grad(grad) if fp.where.tp is not None else grad  # as eager's take
+    return fp.take_accumulated(in_place=False)  # as eager's take (a new tensor: no input mutated)
 
 
 def prepare_no_sync(state: Any) -> None:
@@ -685,6 +708,8 @@ def prepare_no_sync(state: Any) -> None:
         for fp in group.params:
             if fp.requires_grad:
                 fp.ensure_unsharded_param()
+                if fp.accumulates_apart:
+                    fp.unsynced_leaf(fp.dtypes.reduce)
 
 
 def _recompute() -> Any:
@@ -948,8 +973,12 @@ class _GatherGroup(torch.autograd.Function):
         seen = grads  # (`_ReduceOnly`: its stand-ins' empty gradients, from `_Carry`, only seen)
         if ctx.reduce_only:
             grads = (None,) * n
-        if not plan.sync:  # to the accumulators' .grad, unreduced (autograd sums them)
-            return (*head, *none, *(grads[i] for _, i in slots), *sent)
+        if not plan.sync:  # to the accumulators' .grad, unreduced (autograd sums them; apart: cast)
+            kept = (
+                grads[i] if kind != _APART or grads[i] is None else grads[i].to(plan.reduce_dtype)
+                for kind, i in slots
+            )
+            return (*head, *none, *kept, *sent)
         saved = iter(ctx.saved_tensors)
         pending: list[Optional[torch.Tensor]] = [None] * n
         partials: list[Optional[torch.Tensor]] = [None] * n
@@ -976,6 +1005,8 @@ class _GatherGroup(torch.autograd.Function):
             else g.movedim(layout.dim, 0)
             for g, layout, view in zip(grads, plan.layouts, plan.views)
         ]
+        if len({t.dtype for t in inputs}) > 1:  # (_chunk_cat takes one dtype: a sum held apart, a zero)
+            inputs = [t.to(dtype) for t in inputs]
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
         if plan.extended:  # an extension's gradient may be a subclass: into a plain tensor, as eager
             slot = sum(layout.shard_numel for layout in plan.layouts)
