@@ -5,12 +5,13 @@ leaves the model untouched."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 from _parity import TOL64, _mlp_loss, make_mlp, max_abs_diff, mlp_batch, shard_mlp
-from rank_utils import global_mean, max_param_diff, world
+from rank_utils import full, global_mean, max_param_diff, world
 
 
 def _freeze_then_thaw() -> dict:
@@ -271,34 +272,51 @@ def test_optimizer_built_before_fully_shard_or_root_left_unsharded_is_reported(r
         assert r["ignored"] == [], r
 
 
-def _zero_grad_after_no_sync() -> dict:
+def _zero_grad_after_no_sync(held_apart: bool) -> dict:
     """A no-sync backward, then model.zero_grad(): the next (syncing) backward reduces only its own
-    gradients, as in the reference."""
-    from fully_shard import fully_shard
+    gradients, as in the reference. ``held_apart``: float64 compute with an fp32 reduction, whose
+    sums without sync are held apart in fp32 (`FSDPParam.unsynced_leaf`); the reference is then
+    the same sharded model without the abandoned micro-batch (equal to the bit)."""
+    from fully_shard import MixedPrecisionPolicy, fully_shard
 
     rank, w = world()
     model = make_mlp()
     ref = copy.deepcopy(model)
-    shard_mlp(model, "nested", True, fully_shard)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float32) if held_apart else MixedPrecisionPolicy()
+    shard_mlp(model, "nested", True, functools.partial(fully_shard, mp_policy=mp))
+    if held_apart:
+        shard_mlp(ref, "nested", True, functools.partial(fully_shard, mp_policy=mp))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x, y = mlp_batch(0)
     model.set_requires_gradient_sync(False)
     _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()  # abandoned accumulation
+    held = sum(fp.unsynced_grad is not None for m in model.modules() if hasattr(m, "_get_fsdp_state")
+               for g in m._get_fsdp_state().own for fp in g.params)
     model.zero_grad()
+    left = sum(fp.unsynced_grad is not None for m in model.modules() if hasattr(m, "_get_fsdp_state")
+               for g in m._get_fsdp_state().own for fp in g.params)
     model.set_requires_gradient_sync(True)
     x, y = mlp_batch(1)
     _mlp_loss(model, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
     opt.step()
-    _mlp_loss(ref, x, y).backward()
+    if held_apart:
+        _mlp_loss(ref, x.chunk(w)[rank], y.chunk(w)[rank]).backward()
+    else:
+        _mlp_loss(ref, x, y).backward()
     ref_opt.step()
-    return {"param_diff": max_param_diff(model, ref)}
+    if held_apart:
+        equal = all(torch.equal(full(a), full(b)) for a, b in zip(model.parameters(), ref.parameters()))
+        return {"equal": equal, "held": held, "left": left}
+    return {"param_diff": max_param_diff(model, ref), "held": held, "left": left}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_model_zero_grad_drops_an_unsynced_accumulation(ranks, world_size):
-    for r in ranks(world_size).run(_zero_grad_after_no_sync):
-        assert r["param_diff"] <= TOL64, r
+    for r in ranks(world_size).run(_zero_grad_after_no_sync, False):
+        assert r["param_diff"] <= TOL64 and r["held"] == r["left"] == 0, r
+    for r in ranks(world_size).run(_zero_grad_after_no_sync, True):  # the MLP's 12 parameters held apart
+        assert r["equal"] and (r["held"], r["left"]) == (12, 0), r
 
 
 def _post_accumulate_hooks() -> dict:

@@ -1191,7 +1191,8 @@ def test_graph_breaks_in_the_blocks_accumulate_and_go_backward_twice_as_eager(ra
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_gradient_accumulation_without_sync_compiled(ranks, world_size):
     """set_requires_gradient_sync(False) compiled: a second graph whose backward reduces nothing
-    (the gradients accumulate on the unsharded parameters, as eager); the synced micro-batch adds
+    (the gradients accumulate on the unsharded parameters, as eager; with bf16 parameters and fp32
+    reduction, cast to fp32 on the leaf that holds them apart); the synced micro-batch adds
     them and reduces once. Equal to eager (to the bit at world 1 and 2); at world 2 mixed with
     eager micro-batches in both directions; at world 1 with bf16 parameters."""
     mode, bf16 = {1: ("compiled", True), 2: ("mixed", False), 4: ("compiled", False)}[world_size]

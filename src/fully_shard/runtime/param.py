@@ -218,6 +218,7 @@ class FSDPParam:
             unsharded_param=None,
             ext=None,
             padded_unsharded=empty,
+            _unsynced=None,  # (sums accumulated without sync stay with the original, as its unsharded .grad)
         )
         register_sharded(new)
         register_places(new, new.places)  # (what is assigned at the copy's places is handed to it)
@@ -507,11 +508,6 @@ class FSDPParam:
         grad = self.take_accumulated()
         if grad is None:
             return None
-        shape = self.where.shape
-        if grad.shape != shape:
-            raise RuntimeError(
-                f"gradient of {self.fqn} has shape {tuple(grad.shape)}, expected {tuple(shape)}"
-            )
         if self.where.view is not None:
             return grad.reshape(-1)
         return grad.movedim(self.where.layout.dim, 0) if self.where.layout.dim else grad.contiguous()
@@ -522,7 +518,15 @@ class FSDPParam:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
-        return self.where.tp.local_grad(grad) if self.where.tp is not None else grad
+        grad = self.where.tp.local_grad(grad) if self.where.tp is not None else grad
+        if grad.shape != self.where.shape:  # (before it is added to a held sum: no broadcast)
+            raise RuntimeError(
+                f"fully_shard: the gradient of {self.path} has shape {tuple(grad.shape)}, expected "
+                f"{tuple(self.where.shape)}: something assigned the unsharded parameter's .grad. Fix: "
+                "leave the unsharded parameters' .grad to autograd (change the sharded .grad after the "
+                "step's backward)."
+            )
+        return grad
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""

@@ -439,6 +439,8 @@ class FSDPState:
             _signals_pending=0,
             _members_done=set(),
             phase=TrainingPhase.IDLE,
+            _traced=None,  # (the traced path's: tensors of a forward, not the copy's)
+            _traced_handles=None,
         )
 
     # -- state dicts

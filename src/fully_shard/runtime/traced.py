@@ -92,7 +92,7 @@ def traced_pre_forward(
     module's own hooks as frames of their own, outside its forward's graph) the groups are gathered
     where their parameters are first read (`traced_param`)."""
     refuse_untraceable(state)
-    if not _members_continue(state, module):
+    if not _members_continue(state):
         state._traced = None  # (what a forward that raised gathered: not this one's)
     if not state.nested:  # (handles and gathers of a forward the root's post-forward did not end)
         for under in state._traced_tree:
@@ -108,13 +108,13 @@ def traced_pre_forward(
     return args, kwargs
 
 
-def _members_continue(state: Any, module: nn.Module) -> bool:
-    """Whether ``module`` is a member of a list-form call (``fully_shard([a, b])``) whose forward
-    continues the members' forward under way: they read the group gathered once (as eager's)."""
+def _members_continue(state: Any) -> bool:
+    """Whether a forward of a member of a list-form call (``fully_shard([a, b])``) under a root
+    continues the members' forward under way (until each member has run once, or the root's
+    forward returns): they read the group gathered once, as eager's. (A list-form root's members
+    gather each: docs/compile.md.)"""
     gathered = state._traced
-    if gathered is None or len(state.modules) == 1 or "members" not in gathered:
-        return False
-    return state._member_index(module) not in gathered["members"]
+    return gathered is not None and state.nested and "members" in gathered
 
 
 def traced_post_forward(
@@ -129,8 +129,8 @@ def traced_post_forward(
     run), as eager's end of backward reduces them (`_left_over`)."""
     gathered = state._traced
     handles = gathered.pop("carrying", []) if gathered is not None else []
-    if gathered is not None and len(state.modules) > 1:  # a list-form call: its group is gathered
-        members = (*gathered.get("members", ()), state._member_index(module))  # once for all of them
+    if gathered is not None and len(state.modules) > 1 and state.nested:  # a list-form call: its group
+        members = (*gathered.get("members", ()), state._member_index(module))  # gathered once for all
         gathered["members"] = members
         if len(set(members)) == len(state.modules):
             state._traced = None
@@ -157,6 +157,10 @@ def forward_returned(state: Any) -> None:
     gathered = state._traced
     if gathered is not None and not state.nested:
         state._traced = {"carrying": gathered["carrying"]} if "carrying" in gathered else None
+    if not state.nested:  # what a list-form group under it gathered for members that did not run
+        for under in state._traced_tree:
+            if under is not state:
+                under._traced = None
 
 
 def _left_over(root: Any) -> list[torch.Tensor]:
@@ -633,8 +637,10 @@ def _accumulator(fp: Any) -> torch.Tensor:
             raise RuntimeError(
                 f"fully_shard: {fp.path} has no place in its reduce dtype to accumulate gradients "
                 "without sync under torch.compile (set_requires_gradient_sync(False) makes one; the "
-                "module's dtype changed since, or the module is a copy). Fix: call "
-                "module.set_requires_gradient_sync(False) again just before the compiled micro-batch."
+                "module's dtype changed since, or the module is a copy, or a sum of another dtype or "
+                "shape is held). Fix: call module.set_requires_gradient_sync(False) again just before "
+                "the compiled micro-batch; where a sum is still held, reduce it first (a synced "
+                "backward, or module.reduce_grads()) or drop it (module.zero_grad())."
             )
         return leaf
     unsharded = fp.unsharded_param
