@@ -283,24 +283,33 @@ def test_without_input_cast_the_input_dtype_is_the_callers(ranks, world_size):
         assert r["seen"] == ["torch.float32"] and r["raised"], r
 
 
-def _bf16_reduction() -> dict:
-    """reduce_dtype=bf16: the reduce-scatter runs in bf16 (divided partly before the sum) and
-    the gradient lands in fp32 on the shard; training matches PyTorch's fully_shard with the same
-    policy bit for bit (both split the division the same way)."""
+def _ours_and_torchs(param_dtype, reduce_dtype, list_form: bool = False) -> tuple[Llama, Llama]:
+    """The 2-block Llama (same seed) sharded by ours and by PyTorch's ``fully_shard`` with the same
+    policy: each block (``list_form``: the blocks as one group), then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from fully_shard import MixedPrecisionPolicy, debug, fully_shard
+    from fully_shard import MixedPrecisionPolicy, fully_shard
 
-    rank, w = world()
     torch.manual_seed(0)
     ours = Llama(LlamaConfig(n_layers=2))
     theirs = copy.deepcopy(ours)
     for model, shard_fn, cls in ((ours, fully_shard, MixedPrecisionPolicy), (theirs, torch_fully_shard, TorchMP)):
-        mp = cls(param_dtype=BF16, reduce_dtype=BF16)
-        for layer in model.layers:
-            shard_fn(layer, mesh=cpu_mesh(), mp_policy=mp)
+        mp = cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for blocks in [list(model.layers)] if list_form else model.layers:
+            shard_fn(blocks, mesh=cpu_mesh(), mp_policy=mp)
         shard_fn(model, mesh=cpu_mesh(), mp_policy=mp)
+    return ours, theirs
+
+
+def _bf16_reduction() -> dict:
+    """reduce_dtype=bf16: the reduce-scatter runs in bf16 (divided partly before the sum) and
+    the gradient lands in fp32 on the shard; training matches PyTorch's fully_shard with the same
+    policy bit for bit (both split the division the same way)."""
+    from fully_shard import debug
+
+    rank, w = world()
+    ours, theirs = _ours_and_torchs(BF16, BF16)
     opts = [torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for m in (ours, theirs)]
     diffs = []
     for step in range(10):
@@ -334,20 +343,8 @@ def _accumulated_without_sync(param_dtype, reduce_dtype, list_form: bool) -> dic
     reduce dtype where it differs from the param dtype (each micro-batch's bf16 gradient cast once,
     then added in float32; fp32 gradients cast down to a bf16 reduce dtype), not in the param dtype.
     ``list_form``: the blocks in one ``fully_shard([...])`` group."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from fully_shard import MixedPrecisionPolicy, fully_shard
-
     rank, w = world()
-    torch.manual_seed(0)
-    ours = Llama(LlamaConfig(n_layers=2))
-    theirs = copy.deepcopy(ours)
-    for model, shard_fn, cls in ((ours, fully_shard, MixedPrecisionPolicy), (theirs, torch_fully_shard, TorchMP)):
-        mp = cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for blocks in [list(model.layers)] if list_form else [[layer] for layer in model.layers]:
-            shard_fn(blocks if list_form else blocks[0], mesh=cpu_mesh(), mp_policy=mp)
-        shard_fn(model, mesh=cpu_mesh(), mp_policy=mp)
+    ours, theirs = _ours_and_torchs(param_dtype, reduce_dtype, list_form)
     opts = [torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for m in (ours, theirs)]
     losses: list[list[float]] = [[], []]
     held_dtypes = set()

@@ -617,11 +617,7 @@ class FSDPParam:
 
     def take_partial_reduce(self) -> Optional[torch.Tensor]:
         """Hand the deferred sum to the reduction about to include it, so it is not sent twice."""
-        leaf = self._partial
-        if leaf is None or leaf.grad is None:
-            return None
-        partial, leaf.grad = leaf.grad, None
-        return partial
+        return _take_leaf_grad(self._partial)
 
     def zero_grad_if_partial(self) -> Optional[torch.Tensor]:
         """A zero gradient (shard dim in front) when a deferred sum must join a reduction this
@@ -662,11 +658,7 @@ class FSDPParam:
         return None if self._unsynced is None else self._unsynced.grad
 
     def take_unsynced(self) -> Optional[torch.Tensor]:
-        leaf = self._unsynced
-        if leaf is None or leaf.grad is None:
-            return None
-        held, leaf.grad = leaf.grad, None
-        return held
+        return _take_leaf_grad(self._unsynced)
 
     def hold_unsynced(self) -> None:
         """After a backward without sync: where gradients accumulate apart, this backward's moves
@@ -868,6 +860,14 @@ class FSDPParam:
 
 
 _MISSING = object()
+
+
+def _take_leaf_grad(leaf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A held sum (`FSDPParam.partial_leaf`, `FSDPParam.unsynced_leaf`), removed from its leaf."""
+    if leaf is None or leaf.grad is None:
+        return None
+    held, leaf.grad = leaf.grad, None
+    return held
 
 
 class LowerGradHook:
