@@ -631,9 +631,11 @@ class FSDPParamGroup:
         # _chunk_cat wants one input dtype (it casts to ``dtype`` on the way): the gradients', or
         # ``dtype`` where they differ (a sum accumulated apart in the reduce dtype beside a bf16 one).
         gdtypes = {g.dtype for g in grads if g is not None}
-        gdtype = gdtypes.pop() if len(gdtypes) == 1 else dtype
-        if gdtypes:
+        if len(gdtypes) > 1:
+            gdtype = dtype
             grads[:] = [g if g is None or g.dtype == dtype else g.to(dtype) for g in grads]
+        else:
+            gdtype = next(iter(gdtypes), dtype)
         inputs, slot, missing = [], 0, []
         for i, (p, g) in enumerate(zip(params, grads)):
             slot += p.where.layout.shard_numel
