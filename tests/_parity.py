@@ -212,3 +212,43 @@ __all__ = [
     "global_mean", "llama64", "llama_batch", "make_mlp", "max_abs_diff", "mlp_batch", "nested_mlp_and_reference", "shard_llama", "shard_mlp",
     "train_routed",
 ]
+
+
+class SPBlock(nn.Module):
+    """A block for tensor + sequence parallelism: its norm's weight and bias are replicated over
+    the TP mesh and their gradients Partial (each TP rank sees a slice of the sequence)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def make_sp_model(mesh, shard_fn, mp_policy) -> nn.Sequential:
+    """Two `SPBlock`\\ s (same seed), each made tensor/sequence parallel over ``mesh["tp"]``, then
+    sharded by ``shard_fn`` over ``mesh["dp"]`` with ``mp_policy``, then the root."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SPBlock(), SPBlock())
+    plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+    for block in model:
+        parallelize_module(block, mesh["tp"], plan)
+        shard_fn(block, mesh=mesh["dp"], mp_policy=mp_policy)
+    shard_fn(model, mesh=mesh["dp"], mp_policy=mp_policy)
+    return model
+
+
+def sp_batch(mesh, index: int) -> torch.Tensor:
+    """This rank's input: its dp rank's batch, its TP rank's slice of the sequence."""
+    g = torch.Generator().manual_seed(1000 * index + mesh.get_local_rank(0))
+    return torch.randn(2, 8, 16, generator=g).chunk(mesh.size(1), dim=1)[mesh.get_local_rank(1)]

@@ -2023,6 +2023,50 @@ def test_placed_parameters_accumulate_without_sync_compiled(ranks, kind, world_s
         assert r["graphs"] == 2 and r["losses_equal"] and r["params_equal"], r
 
 
+def _sp_micro_batches(shape, patterns: list[str]) -> dict:
+    """Per pattern, a fresh model of tensor + sequence parallel blocks (bf16 params, fp32 reduction:
+    sums held apart) trained one step of micro-batches, each ``c`` compiled (aot_eager, fullgraph)
+    or ``e`` eager, the last with sync; ``!`` after a micro-batch: it is refused (its error kept)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _parity import make_sp_model, sp_batch
+    from fully_shard import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    grads, errors = {}, {}
+    for pattern in patterns:
+        torch._dynamo.reset()
+        model = make_sp_model(mesh, fully_shard, MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        kinds, done = pattern.replace("!", ""), 0  # (a refused micro-batch takes no batch)
+        for i, kind in enumerate(kinds):
+            model.set_requires_gradient_sync(i == len(kinds) - 1)
+            try:
+                (compiled if kind == "c" else model)(sp_batch(mesh, done)).float().pow(2).mean().backward()
+                done += 1
+            except Exception as e:  # (dynamo wraps ours: its message holds it)
+                errors[pattern] = str(e)
+        grads[pattern] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"errors": errors, "grads": grads}
+
+
+@pytest.mark.parametrize("world_size,shape", [(2, (1, 2)), (4, (2, 2))])
+def test_tensor_parallel_sums_held_apart_mix_eager_and_compiled_micro_batches_or_refuse(ranks, world_size, shape):
+    """bf16 params, fp32 reduction, TP/SP norms (Partial gradients): an eager micro-batch without
+    sync holds the Partial DTensor sum (PyTorch's numerics, test_mixed_precision.py), a compiled one
+    a TP-local sum (the gradient redistributed per micro-batch in the graph). Compiled micro-batches
+    then eager ones add to the TP-local sum: equal to all compiled to the bit. An eager one then a
+    compiled one is refused, naming the fix, with nothing lost: a synced eager micro-batch after it
+    equals two eager micro-batches to the bit."""
+    for r in ranks(world_size).run(_sp_micro_batches, shape, ["ccc", "cce", "ee", "ec!e"]):
+        g = r["grads"]
+        assert list(r["errors"]) == ["ec!e"], r["errors"]
+        assert "holds a tensor-parallel gradient sum from an eager micro-batch" in r["errors"]["ec!e"]
+        assert "all compiled or all eager" in r["errors"]["ec!e"]
+        for a, b in (("ccc", "cce"), ("ee", "ec!e")):
+            assert all(torch.equal(g[a][n], g[b][n]) for n in g[a]), (a, b)
+
+
 @pytest.mark.parametrize("form", ["capture", "dispatch_mode", "custom"])
 def test_reshard_to_a_smaller_group_gathers_within_it_in_backward(ranks, form):
     """``reshard_after_forward=2`` at world 4: the forward gathers each block in two stages

@@ -495,13 +495,19 @@ class FSDPParam:
 
     def take_accumulated(self, in_place: bool = True) -> Optional[torch.Tensor]:
         """Remove the gradients accumulated since the last reduction: those held apart, with the
-        unsharded parameter's ``.grad`` (TP-local) added (``in_place``: into the held sum, as
-        PyTorch's accumulated gradient, fp32 += bf16)."""
-        grad = self._take_raw_unsharded_grad()
-        held = self.take_unsynced()
-        if held is None or grad is None:
-            return held if grad is None else grad
-        return held.add_(grad) if in_place else held + grad
+        unsharded parameter's ``.grad`` added (``in_place``: into the held sum, as PyTorch's
+        accumulated gradient, fp32 += bf16), TP-local."""
+        held, grad = self.take_unsynced(), self._take_raw_unsharded_grad()
+        if held is not None and grad is not None:
+            held, grad = self._one_form(held, grad)
+            grad = held.add_(grad) if in_place else held + grad
+        return self._local_grad(held if grad is None else grad)
+
+    def discard_accumulated(self) -> bool:
+        """Drop the gradients accumulated since the last reduction (no TP redistribution: no
+        collective); whether there were any."""
+        held, grad = self.take_unsynced(), self._take_raw_unsharded_grad()
+        return held is not None or grad is not None
 
     def take_unsharded_grad(self) -> Optional[torch.Tensor]:
         """`take_accumulated`, with the shard dim in front."""
@@ -513,20 +519,37 @@ class FSDPParam:
         return grad.movedim(self.where.layout.dim, 0) if self.where.layout.dim else grad.contiguous()
 
     def _take_raw_unsharded_grad(self) -> Optional[torch.Tensor]:
-        """The unsharded parameter's ``.grad`` (TP-local), removed."""
+        """The unsharded parameter's ``.grad`` (with TP, the DTensor autograd made), removed."""
         if self.unsharded_param is None or self.unsharded_param.grad is None:
             return None
-        grad = self.unsharded_param.grad
-        self.unsharded_param.grad = None
+        grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        return grad
+
+    def _local_grad(self, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``grad`` TP-local (a Partial TP gradient redistributed first), its shape checked."""
+        if grad is None:
+            return None
         grad = self.where.tp.local_grad(grad) if self.where.tp is not None else grad
-        if grad.shape != self.where.shape:  # (before it is added to a held sum: no broadcast)
+        self._check_grad_shape(grad.shape, self.where.shape)
+        return grad
+
+    def _check_grad_shape(self, shape: torch.Size, expected: torch.Size) -> None:
+        if shape != expected:  # (before it is added to anything: no broadcast)
             raise RuntimeError(
-                f"fully_shard: the gradient of {self.path} has shape {tuple(grad.shape)}, expected "
-                f"{tuple(self.where.shape)}: something assigned the unsharded parameter's .grad. Fix: "
+                f"fully_shard: the gradient of {self.path} has shape {tuple(shape)}, expected "
+                f"{tuple(expected)}: something assigned the unsharded parameter's .grad. Fix: "
                 "leave the unsharded parameters' .grad to autograd (change the sharded .grad after the "
                 "step's backward)."
             )
-        return grad
+
+    def _one_form(self, held: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A held sum and a gradient to add to it, both as autograd made them where both are TP
+        DTensors of one placement (a Partial gradient summed before its one redistribution, as
+        PyTorch's accumulated gradient), else both TP-local (a compiled micro-batch's sum)."""
+        if isinstance(held, DTensor) and isinstance(grad, DTensor) and held.placements == grad.placements:
+            self._check_grad_shape(grad.to_local().shape, held.to_local().shape)
+            return held, grad
+        return self._local_grad(held), self._local_grad(grad)  # type: ignore[return-value]
 
     def accumulate_sharded_grad(self, padded_grad_shard: torch.Tensor) -> None:
         """Add this rank's reduced gradient (``shard_numel`` elements, padding included) to ``.grad``."""
@@ -645,10 +668,12 @@ class FSDPParam:
         )
 
     def unsynced_leaf(self, dtype: torch.dtype) -> torch.Tensor:
-        """The leaf whose ``.grad`` holds gradients accumulated apart (made when missing or stale)."""
+        """The leaf whose ``.grad`` holds gradients accumulated apart, a plain TP-local tensor as a
+        compiled backward adds to (made when missing or stale)."""
         leaf, shape, device = self._unsynced, self.where.shape, self.where.info.device
         if leaf is None or (
-            leaf.grad is None and (leaf.dtype, leaf.device, leaf.shape) != (dtype, device, shape)
+            leaf.grad is None
+            and (type(leaf), leaf.dtype, leaf.device, leaf.shape) != (torch.Tensor, dtype, device, shape)
         ):
             leaf = self._unsynced = torch.zeros((), dtype=dtype, device=device).expand(shape).requires_grad_()
         return leaf
@@ -667,15 +692,27 @@ class FSDPParam:
             self._hold(self._take_raw_unsharded_grad())
 
     def _hold(self, grad: Optional[torch.Tensor]) -> None:
+        # A TP gradient is held as the DTensor autograd made (a Partial one redistributed once, by
+        # the reduction, in the reduce dtype: PyTorch's numerics), on a DTensor leaf of its spec.
         if grad is None:
             return
-        held = self.unsynced_grad
+        held = self.take_unsynced()
         if held is not None:
-            held.add_(grad)
-            return
+            held, grad = self._one_form(held, grad)
+            grad = held.add_(grad)
         dtype = self.dtypes.reduce if self.accumulates_apart else grad.dtype
-        leaf = self.unsynced_leaf(dtype)
-        leaf.grad = grad.to(dtype) if grad.dtype != dtype else grad
+        grad = grad.to(dtype) if grad.dtype != dtype else grad
+        leaf = self._unsynced
+        if isinstance(grad, DTensor) and not (
+            isinstance(leaf, DTensor) and (leaf.dtype, leaf.placements) == (dtype, grad.placements)
+        ):
+            local = torch.zeros((), dtype=dtype, device=grad.device).expand(grad.to_local().shape)
+            spec = (grad.device_mesh, grad.placements)
+            leaf = DTensor.from_local(local, *spec, run_check=False, shape=grad.shape, stride=grad.stride())
+            self._unsynced = leaf.requires_grad_()
+        elif not isinstance(grad, DTensor):
+            leaf = self.unsynced_leaf(dtype)
+        leaf.grad = grad  # type: ignore[union-attr]
 
     def sync_with_module(self, adopt_device: bool = False) -> bool:
         """Take over what replaced or converted this parameter while sharded; return whether anything

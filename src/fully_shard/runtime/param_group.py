@@ -543,7 +543,7 @@ class FSDPParamGroup:
         """Drop every unreduced gradient; whether there was one."""
         dropped = False
         for p in self.trainable:
-            dropped = p.take_unsharded_grad() is not None or dropped
+            dropped = p.discard_accumulated() or dropped
             dropped = p.take_partial_reduce() is not None or dropped  # HSDP sums deferred
         return dropped
 

@@ -633,7 +633,23 @@ def _accumulator(fp: Any) -> torch.Tensor:
     that sums them apart in the reduce dtype (`FSDPParam.accumulates_apart`)."""
     if fp.accumulates_apart:
         leaf = fp._unsynced
-        if leaf is None or leaf.dtype != fp.dtypes.reduce or leaf.shape != fp.where.shape:
+        if isinstance(leaf, DTensor) and leaf.grad is not None:
+            raise RuntimeError(
+                f"fully_shard: {fp.path} holds a tensor-parallel gradient sum from an eager micro-batch "
+                "without sync (a DTensor, redistributed once when reduced, as PyTorch's); a compiled "
+                "micro-batch adds TP-local gradients and cannot add to it. Fix: run the micro-batches "
+                "of one accumulation all compiled or all eager, or reduce the sum first (a synced "
+                "backward, or module.reduce_grads())."
+            )
+        if (
+            leaf is None
+            or type(leaf) is not torch.Tensor
+            or (leaf.dtype, leaf.shape)
+            != (
+                fp.dtypes.reduce,
+                fp.where.shape,
+            )
+        ):
             raise RuntimeError(
                 f"fully_shard: {fp.path} has no place in its reduce dtype to accumulate gradients "
                 "without sync under torch.compile (set_requires_gradient_sync(False) makes one; the "
