@@ -284,9 +284,10 @@ def test_without_input_cast_the_input_dtype_is_the_callers(ranks, world_size):
         assert r["seen"] == ["torch.float32"] and r["raised"], r
 
 
-def _ours_and_torchs(param_dtype, reduce_dtype, list_form: bool = False) -> tuple[Llama, Llama]:
+def _ours_and_torchs(param_dtype, reduce_dtype, list_form: bool = False, hsdp: bool = False) -> tuple[Llama, Llama]:
     """The 2-block Llama (same seed) sharded by ours and by PyTorch's ``fully_shard`` with the same
-    policy: each block (``list_form``: the blocks as one group), then the root."""
+    policy: each block (``list_form``: the blocks as one group), then the root (``hsdp``: on a
+    (2, world / 2) mesh, replicated over its first dim)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -295,11 +296,17 @@ def _ours_and_torchs(param_dtype, reduce_dtype, list_form: bool = False) -> tupl
     torch.manual_seed(0)
     ours = Llama(LlamaConfig(n_layers=2))
     theirs = copy.deepcopy(ours)
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world()[1] // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = cpu_mesh()
     for model, shard_fn, cls in ((ours, fully_shard, MixedPrecisionPolicy), (theirs, torch_fully_shard, TorchMP)):
         mp = cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for blocks in [list(model.layers)] if list_form else model.layers:
-            shard_fn(blocks, mesh=cpu_mesh(), mp_policy=mp)
-        shard_fn(model, mesh=cpu_mesh(), mp_policy=mp)
+            shard_fn(blocks, mesh=mesh, mp_policy=mp)
+        shard_fn(model, mesh=mesh, mp_policy=mp)
     return ours, theirs
 
 
@@ -338,14 +345,16 @@ def test_bf16_reduction(ranks, world_size):
         assert max(r["diffs"]) == 0.0 and r["param_vs_torch"] == 0.0, r
 
 
-def _accumulated_without_sync(param_dtype, reduce_dtype, list_form: bool) -> dict:
+def _accumulated_without_sync(param_dtype, reduce_dtype, list_form: bool, mode: str = "fsdp") -> dict:
     """Three micro-batches per step, the first two without gradient sync, ours against PyTorch's
     fully_shard with the same policy: PyTorch sums the gradients accumulated without sync in the
     reduce dtype where it differs from the param dtype (each micro-batch's bf16 gradient cast once,
     then added in float32; fp32 gradients cast down to a bf16 reduce dtype), not in the param dtype.
-    ``list_form``: the blocks in one ``fully_shard([...])`` group."""
+    ``list_form``: the blocks in one ``fully_shard([...])`` group. ``mode``: "hsdp" (no sync on a
+    2-D mesh), "hsdp_defer" (reduce-scattered each micro-batch, the all-reduce deferred:
+    ``set_requires_all_reduce(False)``; PyTorch holds those partial sums in the reduce dtype)."""
     rank, w = world()
-    ours, theirs = _ours_and_torchs(param_dtype, reduce_dtype, list_form)
+    ours, theirs = _ours_and_torchs(param_dtype, reduce_dtype, list_form, hsdp=mode != "fsdp")
     opts = [torch.optim.AdamW(m.parameters(), lr=LLAMA_LR) for m in (ours, theirs)]
     losses: list[list[float]] = [[], []]
     held_dtypes = set()
@@ -353,15 +362,21 @@ def _accumulated_without_sync(param_dtype, reduce_dtype, list_form: bool) -> dic
         for micro in range(3):
             x, y = synthetic_batch(3 * step + micro, 8, 16, ours.cfg.vocab_size)
             for i, model in enumerate((ours, theirs)):
-                model.set_requires_gradient_sync(micro == 2)
+                if mode == "hsdp_defer":
+                    model.set_requires_all_reduce(micro == 2)
+                else:
+                    model.set_requires_gradient_sync(micro == 2)
                 loss = loss_fn(model(x.chunk(w)[rank]), y.chunk(w)[rank])
                 loss.backward()
                 losses[i].append(global_mean(loss))
             if micro == 1:  # what PyTorch holds between micro-batches: in the reduce dtype
-                held_dtypes |= {str(fp.unsharded_accumulated_grad.dtype) for m in theirs.modules()
-                                if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group
-                                for fp in m._get_fsdp_state()._fsdp_param_group.fsdp_params
-                                if fp.unsharded_accumulated_grad is not None}
+                groups = [m._get_fsdp_state()._fsdp_param_group for m in theirs.modules()
+                          if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group]
+                if mode == "hsdp_defer":
+                    held_dtypes |= {str(g._partial_reduce_output.dtype) for g in groups}
+                else:
+                    held_dtypes |= {str(fp.unsharded_accumulated_grad.dtype) for g in groups
+                                    for fp in g.fsdp_params if fp.unsharded_accumulated_grad is not None}
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -370,14 +385,16 @@ def _accumulated_without_sync(param_dtype, reduce_dtype, list_form: bool) -> dic
             "torch_held": sorted(held_dtypes)}
 
 
-@pytest.mark.parametrize("world_size,param_dtype,reduce_dtype,list_form", [
-    (1, BF16, torch.float32, False), (2, BF16, torch.float32, False), (2, BF16, torch.float32, True),
-    (2, torch.float32, BF16, False), (4, BF16, torch.float32, False)])
+@pytest.mark.parametrize("world_size,param_dtype,reduce_dtype,list_form,mode", [
+    (1, BF16, torch.float32, False, "fsdp"), (2, BF16, torch.float32, False, "fsdp"),
+    (2, BF16, torch.float32, True, "fsdp"), (2, torch.float32, BF16, False, "fsdp"),
+    (4, BF16, torch.float32, False, "fsdp"), (4, BF16, torch.float32, False, "hsdp"),
+    (4, BF16, torch.float32, False, "hsdp_defer"), (2, torch.float32, BF16, False, "hsdp")])
 def test_gradients_accumulated_without_sync_sum_in_the_reduce_dtype_as_torch_fully_shard(
-        ranks, world_size, param_dtype, reduce_dtype, list_form):
+        ranks, world_size, param_dtype, reduce_dtype, list_form, mode):
     """Before: ours summed them in the param dtype (bf16 here), 1e-4 off PyTorch's after one step."""
-    for r in ranks(world_size).run(_accumulated_without_sync, param_dtype, reduce_dtype, list_form):
-        print(f"world {world_size} {param_dtype} / {reduce_dtype} list={list_form}: {r}")
+    for r in ranks(world_size).run(_accumulated_without_sync, param_dtype, reduce_dtype, list_form, mode):
+        print(f"world {world_size} {param_dtype} / {reduce_dtype} list={list_form} {mode}: {r}")
         assert r["torch_held"] == [str(reduce_dtype)], r  # (the oracle's rule, as read)
         assert r["losses_equal"] and r["param_vs_torch"] == 0.0, r
 
