@@ -18,9 +18,10 @@ shards again: docs/training_loop.md); with a gradient divide factor PyTorch's re
 ``PREMUL_SUM``, which gloo lacks (ours divides around a SUM); PyTorch refuses uneven sharding on
 dim 1 (ours pads).
 
-CI runs the configurations in ``SEEDS``; a longer hunt, e.g.
+CI runs the configurations in ``CASES``; a longer hunt, e.g.
 ``FULLY_SHARD_COMBINATIONS=0:200 python -m pytest tests/test_combinations.py`` (about 9 s each on
-the CI machine type). This run found, 2026-11-29: gradients accumulated without sync summed in
+the CI machine type), at world 4 with ``FULLY_SHARD_COMBINATIONS_WORLD=4``, which also draws an
+HSDP (2, 2) mesh and ``reshard_after_forward=2``. This run found, 2026-11-29: gradients accumulated without sync summed in
 the param dtype (PyTorch sums them in the reduce dtype), a list-form group gathered once per
 member in the traced path, and the recursion of ``set_gradient_divide_factor``.
 """
@@ -39,9 +40,12 @@ from rank_utils import cpu_mesh, full, global_mean, world
 
 _RANGE = os.environ.get("FULLY_SHARD_COMBINATIONS")
 SEEDS = list(range(*map(int, _RANGE.split(":")))) if _RANGE else [1, 70]
+# (world, seed) in CI; FULLY_SHARD_COMBINATIONS_WORLD=4 runs the range at world 4
+WORLD = int(os.environ.get("FULLY_SHARD_COMBINATIONS_WORLD", "2"))
+CASES = [(WORLD, seed) for seed in SEEDS] if _RANGE else [(2, 1), (2, 70)]
 
 
-def make_config(seed: int) -> dict:
+def make_config(seed: int, world_size: int = 2) -> dict:
     r = random.Random(seed)
     dim = r.choice([24, 36, 20])
     c = {
@@ -67,6 +71,12 @@ def make_config(seed: int) -> dict:
         "div_factor": r.random() < 0.15,
     }
     c["reshard"] = [r.choice([True, False]) for _ in range(c["n_layers"])]
+    c["mesh"] = "flat"
+    if world_size == 4:  # (drawn after the rest: world 2's configurations stay as they were)
+        c["mesh"] = r.choice(["flat", "hsdp"])
+        if c["mesh"] == "flat":  # resharding to pairs after forward
+            c["reshard"] = [r.choice([True, False, 2]) for _ in range(c["n_layers"])]
+            c["root_reshard"] = r.choice([None, True, False, 2])
     if c["mp"] != "none":
         c["ignored"] = False  # (an ignored fp32 weight beside bf16 compute: the user's dtype error)
     return c
@@ -96,7 +106,13 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
           "bf16_fp32": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
           "bf16_bf16": MixedPrecisionPolicy(param_dtype=bf16),
           "fp32_reduce_bf16": MixedPrecisionPolicy(reduce_dtype=bf16)}[c["mp"]]
-    kw: dict = {"mesh": cpu_mesh(), "mp_policy": mp}
+    if c["mesh"] == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = cpu_mesh()
+    kw: dict = {"mesh": mesh, "mp_policy": mp}
     if c["dim1"]:
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 3 else None
     layers = list(m.layers)
@@ -163,7 +179,7 @@ def _combination(seed: int) -> dict:
     import torch._dynamo
 
     torch._dynamo.reset()
-    c = make_config(seed)
+    c = make_config(seed, world()[1])
     eager, compiled = _shard(_build(c), c, "ours"), _shard(_build(c), c, "ours")
     ours = _train(eager, c)
     if c["form"] == "method":
@@ -187,9 +203,9 @@ def _combination(seed: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_a_combination_of_features_compiled_equals_eager_and_eager_equals_pytorch(ranks, seed):
-    for r in ranks(2).run(_combination, seed):
+@pytest.mark.parametrize("world_size,seed", CASES)
+def test_a_combination_of_features_compiled_equals_eager_and_eager_equals_pytorch(ranks, world_size, seed):
+    for r in ranks(world_size).run(_combination, seed):
         print(f"seed {seed}: {r}")
         assert r["compiled_equal"] and r["compiled_params_differ"] == [], r
         if "torch_equal" in r:

@@ -641,15 +641,8 @@ def _accumulator(fp: Any) -> torch.Tensor:
                 "of one accumulation all compiled or all eager, or reduce the sum first (a synced "
                 "backward, or module.reduce_grads())."
             )
-        if (
-            leaf is None
-            or type(leaf) is not torch.Tensor
-            or (leaf.dtype, leaf.shape)
-            != (
-                fp.dtypes.reduce,
-                fp.where.shape,
-            )
-        ):
+        wanted = (torch.Tensor, fp.dtypes.reduce, fp.where.shape)
+        if leaf is None or (type(leaf), leaf.dtype, leaf.shape) != wanted:
             raise RuntimeError(
                 f"fully_shard: {fp.path} has no place in its reduce dtype to accumulate gradients "
                 "without sync under torch.compile (set_requires_gradient_sync(False) makes one; the "
