@@ -226,9 +226,11 @@ class SPBlock(nn.Module):
         return self.down(torch.relu(self.up(self.norm(x))))
 
 
-def make_sp_model(mesh, shard_fn, mp_policy) -> nn.Sequential:
-    """Two `SPBlock`\\ s (same seed), each made tensor/sequence parallel over ``mesh["tp"]``, then
-    sharded by ``shard_fn`` over ``mesh["dp"]`` with ``mp_policy``, then the root."""
+def make_sp_model(mesh, shard_fn, mp_policy, sequence_parallel: bool = True) -> nn.Sequential:
+    """Two `SPBlock`\\ s (same seed), each made tensor/sequence parallel over ``mesh["tp"]``
+    (``sequence_parallel=False``: only the linears, the norm a plain parameter, every TP gradient
+    of its parameter's placement), then sharded by ``shard_fn`` over ``mesh["dp"]`` with
+    ``mp_policy``, then the root."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -240,7 +242,8 @@ def make_sp_model(mesh, shard_fn, mp_policy) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(SPBlock(), SPBlock())
     plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-            "down": RowwiseParallel(output_layouts=Shard(1))}
+            "down": RowwiseParallel(output_layouts=Shard(1))} if sequence_parallel else {
+        "up": ColwiseParallel(), "down": RowwiseParallel()}
     for block in model:
         parallelize_module(block, mesh["tp"], plan)
         shard_fn(block, mesh=mesh["dp"], mp_policy=mp_policy)
@@ -248,7 +251,9 @@ def make_sp_model(mesh, shard_fn, mp_policy) -> nn.Sequential:
     return model
 
 
-def sp_batch(mesh, index: int) -> torch.Tensor:
-    """This rank's input: its dp rank's batch, its TP rank's slice of the sequence."""
+def sp_batch(mesh, index: int, whole: bool = False) -> torch.Tensor:
+    """This rank's input: its dp rank's batch, its TP rank's slice of the sequence (``whole``: all
+    of it, for TP without sequence parallelism)."""
     g = torch.Generator().manual_seed(1000 * index + mesh.get_local_rank(0))
-    return torch.randn(2, 8, 16, generator=g).chunk(mesh.size(1), dim=1)[mesh.get_local_rank(1)]
+    x = torch.randn(2, 8, 16, generator=g)
+    return x if whole else x.chunk(mesh.size(1), dim=1)[mesh.get_local_rank(1)]

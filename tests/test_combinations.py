@@ -21,9 +21,13 @@ dim 1 (ours pads).
 CI runs the configurations in ``CASES``; a longer hunt, e.g.
 ``FULLY_SHARD_COMBINATIONS=0:200 python -m pytest tests/test_combinations.py`` (about 9 s each on
 the CI machine type), at world 4 with ``FULLY_SHARD_COMBINATIONS_WORLD=4``, which also draws an
-HSDP (2, 2) mesh and ``reshard_after_forward=2``. This run found, 2026-11-29: gradients accumulated without sync summed in
+HSDP (2, 2) mesh, a (dp 2, tp 2) mesh with each block's feed-forward tensor parallel, and
+``reshard_after_forward=2``. This run found, 2026-11-29: gradients accumulated without sync summed in
 the param dtype (PyTorch sums them in the reduce dtype), a list-form group gathered once per
-member in the traced path, and the recursion of ``set_gradient_divide_factor``.
+member in the traced path, and the recursion of ``set_gradient_divide_factor``; at world 4: that
+the used-counts of the default reduce-scatter layout change gloo's summation order (a last-bit
+difference from PyTorch's and from the compiled step, so world 4 uses PyTorch's layout:
+docs/training_loop.md).
 """
 
 from __future__ import annotations
@@ -73,7 +77,12 @@ def make_config(seed: int, world_size: int = 2) -> dict:
     c["reshard"] = [r.choice([True, False]) for _ in range(c["n_layers"])]
     c["mesh"] = "flat"
     if world_size == 4:  # (drawn after the rest: world 2's configurations stay as they were)
-        c["mesh"] = r.choice(["flat", "hsdp"])
+        c["mesh"] = r.choice(["flat", "hsdp", "tp"])
+        c["dim1"] = c["dim1"] and c["mesh"] != "tp"  # (a TP weight's shard dim is FSDP's choice)
+        # PyTorch's reduce-scatter layout (no used-counts): at 3+ ranks gloo's summation order
+        # depends on the buffer's layout, so only then is the order PyTorch's (and the traced
+        # path's, which sends no counts), to the bit (docs/training_loop.md)
+        c["pytorch_layout"] = True
         if c["mesh"] == "flat":  # resharding to pairs after forward
             c["reshard"] = [r.choice([True, False, 2]) for _ in range(c["n_layers"])]
             c["root_reshard"] = r.choice([None, True, False, 2])
@@ -106,12 +115,21 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
           "bf16_fp32": MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32),
           "bf16_bf16": MixedPrecisionPolicy(param_dtype=bf16),
           "fp32_reduce_bf16": MixedPrecisionPolicy(reduce_dtype=bf16)}[c["mp"]]
-    if c["mesh"] == "hsdp":
+    if c["mesh"] != "flat":
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        names = ("replicate", "shard") if c["mesh"] == "hsdp" else ("dp", "tp")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     else:
         mesh = cpu_mesh()
+    if c["mesh"] == "tp":  # each block's feed-forward tensor parallel over "tp", sharded over "dp"
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()}
+        for layer in m.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        mesh = mesh["dp"]
     kw: dict = {"mesh": mesh, "mp_policy": mp}
     if c["dim1"]:
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 3 else None
@@ -127,6 +145,8 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
     fully_shard(m, reshard_after_forward=c["root_reshard"], **kw, **ignored)
     if c["reshard_after_backward"]:
         m.layers[0].set_reshard_after_backward(False)
+    if c.get("pytorch_layout") and impl == "ours":
+        m.set_reduce_scatter_unused_params(False)
     if c["bucket"] and impl == "ours":
         m.set_bucket_bytes(1 << 20)
     for module in m.modules() if c["div_factor"] else ():  # (PyTorch's sets the module's own group only)
@@ -146,6 +166,8 @@ def _schedule(c: dict) -> list[list[tuple[bool, bool]]]:
 
 def _train(m: Llama, c: dict, fn=None) -> tuple[list[float], list[float]]:
     rank, w = world()
+    if c["mesh"] == "tp":  # the TP ranks of a dp rank share its batch
+        rank, w = rank // 2, w // 2
     params = [p for p in m.parameters() if p.requires_grad]
     opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1) if c["opt"] == "adamw"
            else torch.optim.SGD(params, lr=0.1, momentum=0.9))

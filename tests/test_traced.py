@@ -2023,7 +2023,7 @@ def test_placed_parameters_accumulate_without_sync_compiled(ranks, kind, world_s
         assert r["graphs"] == 2 and r["losses_equal"] and r["params_equal"], r
 
 
-def _sp_micro_batches(shape, patterns: list[str]) -> dict:
+def _sp_micro_batches(shape, patterns: list[str], sequence_parallel: bool = True) -> dict:
     """Per pattern, a fresh model of tensor + sequence parallel blocks (bf16 params, fp32 reduction:
     sums held apart) trained one step of micro-batches, each ``c`` compiled (aot_eager, fullgraph)
     or ``e`` eager, the last with sync; ``!`` after a micro-batch: it is refused (its error kept)."""
@@ -2036,13 +2036,15 @@ def _sp_micro_batches(shape, patterns: list[str]) -> dict:
     grads, errors = {}, {}
     for pattern in patterns:
         torch._dynamo.reset()
-        model = make_sp_model(mesh, fully_shard, MixedPrecisionPolicy(torch.bfloat16, torch.float32))
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+        model = make_sp_model(mesh, fully_shard, policy, sequence_parallel)
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
         kinds, done = pattern.replace("!", ""), 0  # (a refused micro-batch takes no batch)
         for i, kind in enumerate(kinds):
             model.set_requires_gradient_sync(i == len(kinds) - 1)
             try:
-                (compiled if kind == "c" else model)(sp_batch(mesh, done)).float().pow(2).mean().backward()
+                x = sp_batch(mesh, done, whole=not sequence_parallel)
+                (compiled if kind == "c" else model)(x).float().pow(2).mean().backward()
                 done += 1
             except Exception as e:  # (dynamo wraps ours: its message holds it)
                 errors[pattern] = str(e)
@@ -2057,14 +2059,23 @@ def test_tensor_parallel_sums_held_apart_mix_eager_and_compiled_micro_batches_or
     a TP-local sum (the gradient redistributed per micro-batch in the graph). Compiled micro-batches
     then eager ones add to the TP-local sum: equal to all compiled to the bit. An eager one then a
     compiled one is refused, naming the fix, with nothing lost: a synced eager micro-batch after it
-    equals two eager micro-batches to the bit."""
-    for r in ranks(world_size).run(_sp_micro_batches, shape, ["ccc", "cce", "ee", "ec!e"]):
+    equals two eager micro-batches to the bit. Eager micro-batches then a compiled synced one: the
+    graph takes the held DTensor sum and redistributes it once. Without sequence parallelism (every
+    TP gradient of its parameter's placement) every order is equal to the bit."""
+    patterns = ["ccc", "cce", "ee", "ec!e", "eec"]
+    for r in ranks(world_size).run(_sp_micro_batches, shape, patterns):
         g = r["grads"]
         assert list(r["errors"]) == ["ec!e"], r["errors"]
-        assert "holds a tensor-parallel gradient sum from an eager micro-batch" in r["errors"]["ec!e"]
+        assert "from an eager micro-batch without sync" in r["errors"]["ec!e"]
         assert "all compiled or all eager" in r["errors"]["ec!e"]
         for a, b in (("ccc", "cce"), ("ee", "ec!e")):
             assert all(torch.equal(g[a][n], g[b][n]) for n in g[a]), (a, b)
+        assert set(g["eec"]) == set(g["ee"]) and all(t.isfinite().all() for t in g["eec"].values())
+    for r in ranks(world_size).run(_sp_micro_batches, shape, ["eee", "ecc", "cce", "ccc"], False):
+        g = r["grads"]
+        assert r["errors"] == {} and len(g["eee"]) == 12, r["errors"]  # (2 blocks x 6)
+        for other in ("ecc", "cce", "ccc"):
+            assert all(torch.equal(g["eee"][n], g[other][n]) for n in g["eee"]), other
 
 
 @pytest.mark.parametrize("form", ["capture", "dispatch_mode", "custom"])

@@ -692,10 +692,14 @@ class FSDPParam:
             self._hold(self._take_raw_unsharded_grad())
 
     def _hold(self, grad: Optional[torch.Tensor]) -> None:
-        # A TP gradient is held as the DTensor autograd made (a Partial one redistributed once, by
-        # the reduction, in the reduce dtype: PyTorch's numerics), on a DTensor leaf of its spec.
+        # A TP gradient of another placement than the parameter's (a Partial one) is held as the
+        # DTensor autograd made, on a DTensor leaf of its spec: redistributed once, by the
+        # reduction, in the reduce dtype (PyTorch's numerics). Others are held TP-local (exact).
         if grad is None:
             return
+        tp = self.where.tp
+        if not (isinstance(grad, DTensor) and tp is not None and tuple(grad.placements) != tp.placements):
+            grad = self._local_grad(grad)  # (its shape checked before anything is held)
         held = self.take_unsynced()
         if held is not None:
             held, grad = self._one_form(held, grad)

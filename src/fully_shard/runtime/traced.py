@@ -635,11 +635,13 @@ def _accumulator(fp: Any) -> torch.Tensor:
         leaf = fp._unsynced
         if isinstance(leaf, DTensor) and leaf.grad is not None:
             raise RuntimeError(
-                f"fully_shard: {fp.path} holds a tensor-parallel gradient sum from an eager micro-batch "
+                f"fully_shard: {fp.path} holds a tensor-parallel gradient sum of another placement "
+                "than the parameter's (e.g. Partial, sequence parallel) from an eager micro-batch "
                 "without sync (a DTensor, redistributed once when reduced, as PyTorch's); a compiled "
-                "micro-batch adds TP-local gradients and cannot add to it. Fix: run the micro-batches "
-                "of one accumulation all compiled or all eager, or reduce the sum first (a synced "
-                "backward, or module.reduce_grads())."
+                "micro-batch without sync adds TP-local gradients and cannot add to it. Fix: run the "
+                "micro-batches of one accumulation all compiled or all eager (a compiled synced one may "
+                "follow eager ones), reduce the sum first (a synced backward, or module.reduce_grads()), "
+                "or drop it (module.zero_grad())."
             )
         wanted = (torch.Tensor, fp.dtypes.reduce, fp.where.shape)
         if leaf is None or (type(leaf), leaf.dtype, leaf.shape) != wanted:
