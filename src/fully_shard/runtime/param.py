@@ -667,10 +667,20 @@ class FSDPParam:
             dtypes.reduce != dtypes.param and group is not None and group.settings.accumulate_in_reduce_dtype
         )
 
-    def unsynced_leaf(self, dtype: torch.dtype) -> torch.Tensor:
-        """The leaf whose ``.grad`` holds gradients accumulated apart, a plain TP-local tensor as a
-        compiled backward adds to (made when missing or stale)."""
-        leaf, shape, device = self._unsynced, self.where.shape, self.where.info.device
+    def unsynced_leaf(self, dtype: torch.dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The leaf whose ``.grad`` holds gradients accumulated apart (made when missing or stale): a
+        plain TP-local tensor as a compiled backward adds to, or, to hold a TP gradient ``like`` of
+        another placement than the parameter's, a DTensor of its spec."""
+        leaf = self._unsynced
+        if isinstance(like, DTensor):
+            if isinstance(leaf, DTensor) and (leaf.dtype, leaf.placements) == (dtype, like.placements):
+                return leaf
+            local = torch.zeros((), dtype=dtype, device=like.device).expand(like.to_local().shape)
+            spec = (like.device_mesh, like.placements)
+            leaf = DTensor.from_local(local, *spec, run_check=False, shape=like.shape, stride=like.stride())
+            self._unsynced = leaf.requires_grad_()
+            return leaf
+        shape, device = self.where.shape, self.where.info.device
         if leaf is None or (
             leaf.grad is None
             and (type(leaf), leaf.dtype, leaf.device, leaf.shape) != (torch.Tensor, dtype, device, shape)
@@ -706,17 +716,7 @@ class FSDPParam:
             grad = held.add_(grad)
         dtype = self.dtypes.reduce if self.accumulates_apart else grad.dtype
         grad = grad.to(dtype) if grad.dtype != dtype else grad
-        leaf = self._unsynced
-        if isinstance(grad, DTensor) and not (
-            isinstance(leaf, DTensor) and (leaf.dtype, leaf.placements) == (dtype, grad.placements)
-        ):
-            local = torch.zeros((), dtype=dtype, device=grad.device).expand(grad.to_local().shape)
-            spec = (grad.device_mesh, grad.placements)
-            leaf = DTensor.from_local(local, *spec, run_check=False, shape=grad.shape, stride=grad.stride())
-            self._unsynced = leaf.requires_grad_()
-        elif not isinstance(grad, DTensor):
-            leaf = self.unsynced_leaf(dtype)
-        leaf.grad = grad  # type: ignore[union-attr]
+        self.unsynced_leaf(dtype, like=grad).grad = grad
 
     def sync_with_module(self, adopt_device: bool = False) -> bool:
         """Take over what replaced or converted this parameter while sharded; return whether anything
