@@ -247,3 +247,55 @@ def test_roots_sharing_a_comm_ctx_share_the_in_flight_limit(ranks, world_size):
             in r["error"]
         ), r
         assert "with 1" in r["error"] and "same count on every root passed to share_comm_ctx" in r["error"], r
+
+
+# -- PyTorch 2.13's communication setup methods: set_separate_reduce_scatter_group,
+# set_reduce_scatter_max_input_buffers, set_allocate_memory_from_process_group_for_comm,
+# set_symm_mem_for_comm (CUDA: tests/test_gpu.py), set_reduce_scatter_divide_factor
+
+
+def _setup_method(case: str) -> dict:
+    """Ours and PyTorch's fully_shard with the same call, against each other and the float64 model;
+    the trace says on which process group each collective ran."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import debug, fully_shard
+
+    rank, w = world()
+    ours, theirs = make_mlp(), make_mlp()
+    ref = copy.deepcopy(ours)
+    for m, fn in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        shard_mlp(m, "nested", True, fn)
+    ours.set_bucket_bytes(0)  # one reduce-scatter per group, as PyTorch's
+    ours.set_reduce_scatter_unused_params(False)  # PyTorch's layout: its summation order at 4 ranks
+    method, args = {"separate": ("set_separate_reduce_scatter_group", ()),
+                    "buffers": ("set_reduce_scatter_max_input_buffers", (3,))}[case]
+    compared = hasattr(theirs, method)  # (PyTorch 2.13's; 2.11 has neither)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither warns
+        for m in (ours, theirs) if compared else (ours,):
+            getattr(m, method)(*args)
+    with debug.trace() as t:
+        out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
+    if compared:
+        _train(theirs, weight_decay=0.1)  # as _train_pair trains ours
+    groups = {op: {r.group_name for r in t.select(op=op)} for op in ("all_gather", "reduce_scatter")}
+    return {**out, "vs_torch": max_abs_diff(ours, theirs) if compared else None, "groups": groups,
+            "pending_after": len(ours._get_fsdp_state().ctx.pending_reduces)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("case", ["separate", "buffers"])
+def test_pytorch_213_reduce_scatter_setup_trains_as_pytorchs(ranks, world_size, case):
+    results = ranks(world_size).run(_setup_method, case)
+    check(results, f"{case} vs single process (float64)")
+    for r in results:
+        assert r["vs_torch"] in (0.0, None), r  # bit-exact with PyTorch's where it has the method
+        if case == "separate" and world_size > 1:  # reduce-scatters on a group of their own
+            assert len(r["groups"]["reduce_scatter"]) == 1 and len(r["groups"]["all_gather"]) == 1, r
+            assert r["groups"]["reduce_scatter"] != r["groups"]["all_gather"], r
+        # (how many stay in flight with streams: test_stream_check.py; on CPU each module's
+        # backward waits for the reductions before it: set_collectives_in_flight)
+        assert r["pending_after"] == 0, r  # the optimizer saw every reduction landed

@@ -46,7 +46,7 @@ def _snapshot(model: nn.Module) -> dict:
     return {
         "gathered": gathered,
         "in_flight": sum(not p.done() for p in ctx.comm.in_flight),
-        "reducing": ctx.pending_reduce.parts[0].name if ctx.pending_reduce is not None else None,
+        "reducing": ctx.pending_reduces[-1].parts[0].name if ctx.pending_reduces else None,
         "communication": by_category.get("communication", 0),
         "unsharded_params": by_category.get("unsharded_params", 0),
     }

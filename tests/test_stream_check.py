@@ -5,6 +5,7 @@ loops, must find each bug injected on purpose, and must not change what trains."
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -18,6 +19,7 @@ def _train(case: str, steps: int = 2) -> dict:
     """Train the parity MLP (each block and the root sharded) under the checker; compare with the
     float64 reference."""
     from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from fully_shard.runtime.state import RootContext
     from fully_shard.tools import stream_check
 
     rank, w = world()
@@ -39,12 +41,23 @@ def _train(case: str, steps: int = 2) -> dict:
     if case == "prefetch":
         model[0].set_modules_to_forward_prefetch([model[1], model[2]])
         model[2].set_modules_to_backward_prefetch([model[1], model[0]])
-    if case == "unbucketed":  # one collective per group (bucketing is on by default)
+    if case in ("unbucketed", "rs_buffers", "separate_rs"):  # one collective per group
         model.set_bucket_bytes(0)
+    if case == "rs_buffers":  # 3 of the 4 groups' reduce-scatters in flight, their inputs alive
+        model.set_reduce_scatter_max_input_buffers(3)
+    if case == "separate_rs":  # the reduce-scatters on a process group of their own
+        model.set_separate_reduce_scatter_group()
+    depth = {"max": 0}
+    original_start = RootContext.start_reduce
+
+    def start_reduce(self, results):
+        original_start(self, results)
+        depth["max"] = max(depth["max"], len(self.pending_reduces))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     micro = 2 if case == "accumulation" else 1
-    with stream_check.checked(raise_on_exit=False) as checker:
+    RootContext.start_reduce = start_reduce
+    with stream_check.checked(raise_on_exit=False) as checker, _restoring(RootContext, original_start):
         for step in range(steps):
             for i in range(micro):
                 x, y = mlp_batch(10 * step + i)
@@ -65,12 +78,22 @@ def _train(case: str, steps: int = 2) -> dict:
         "launches": dict(checker.launches),
         "buckets": len(ctx.buckets),
         "diff": max_param_diff(model, ref),
+        "depth": depth["max"],  # the most reductions in flight at once
+        "pending_after": len(ctx.pending_reduces),
     }
+
+
+@contextlib.contextmanager
+def _restoring(cls, start_reduce):
+    try:
+        yield
+    finally:
+        cls.start_reduce = start_reduce
 
 
 CASES = [
     "plain", "prefetch", "accumulation", "hsdp", "offload", "unbucketed", "no_reshard", "post_optim_event",
-    "explicit_unshard", "mixed",
+    "explicit_unshard", "mixed", "rs_buffers", "separate_rs",
 ]
 
 
@@ -83,7 +106,12 @@ def test_training_loops_have_no_stream_hazard(ranks, world_size, case):
         # the side streams ran their part (at world 1 the reduce-scatter is its own input: no op)
         sides = {"all_gather", "reduce_scatter"} if world_size > 1 else {"all_gather"}
         assert sides <= {name for name, n in r["launches"].items() if n > 0}, r
-        assert (r["buckets"] == 0) == (case in ("unbucketed", "offload")), r  # offloaded groups never bucket
+        # offloaded groups never bucket
+        assert (r["buckets"] == 0) == (case in ("unbucketed", "offload", "rs_buffers", "separate_rs")), r
+        # reductions in flight at once: one (the next module's waits for it), or up to the 3 set
+        # (4 groups, none bucketed); none left when the optimizer runs
+        assert r["depth"] == (3 if case == "rs_buffers" else 1), r
+        assert r["pending_after"] == 0, r
         if case != "mixed":  # float32 compute is not the float64 reference
             assert r["diff"] <= TOL64, r
 

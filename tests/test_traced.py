@@ -2330,3 +2330,51 @@ def test_a_two_tensor_gather_compiles_frozen_and_under_no_grad(ranks, world_size
             assert r["no_grad_equal"] and r["losses_equal"] and r["params_equal"], r
         else:  # gloo's ring order (see test_whole_model_compiles_as_one_graph_and_equals_eager)
             assert r["loss_diff"] <= TOL64 and r["param_diff"] <= TOL64, r
+
+
+def _separate_reduce_scatter_group_compiled() -> dict:
+    """set_separate_reduce_scatter_group: the compiled backward's reduce-scatters run on the group
+    of their own, the all-gathers on the shard group; turned off, the next step compiles again onto
+    the shard group. Equal to eager (the same switch) to the bit."""
+    _fresh_compiler()
+    rank, w = world()
+    torch.manual_seed(0)
+    eager = llama64(LlamaConfig(n_layers=1))
+    compiled = copy.deepcopy(eager)
+    for m in (eager, compiled):
+        _shard(m, True)
+        m.set_separate_reduce_scatter_group()
+    graphs: dict = {}
+    compiled.compile(backend=_capturing_backend(graphs), fullgraph=True)
+    a, opt_a = _train(eager, 2, rank, w)
+    b, opt_b = _train(compiled, 2, rank, w)
+    before = len(graphs["bw"])
+    for m in (eager, compiled):
+        m.set_separate_reduce_scatter_group(False)
+    a2, _ = _train(eager, 1, rank, w, opt_a, start=2)
+    b2, _ = _train(compiled, 1, rank, w, opt_b, start=2)
+
+    def names(gm, op: str, at: int) -> set:
+        return {n.args[at] for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == op}
+
+    group = compiled._get_fsdp_state().own[0]
+    return {
+        "losses_equal": a + a2 == b + b2,
+        "params_equal": all(torch.equal(x, y) for x, y in zip(_full(eager).values(), _full(compiled).values())),
+        "rs_on": names(graphs["bw"][0], "_c10d_functional.reduce_scatter_tensor.default", 3),
+        "rs_off": names(graphs["bw"][-1], "_c10d_functional.reduce_scatter_tensor.default", 3),
+        "ag": names(graphs["fw"][0], "_c10d_functional.all_gather_into_tensor.default", 2),
+        "recompiled": len(graphs["bw"]) - before,  # backward graphs made after the switch
+        "shard_group": group.info.group.group_name,
+        "own_group": compiled.layers[0]._get_fsdp_state().own[0].reduce_scatter_group.group_name,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_separate_reduce_scatter_group_is_the_compiled_reduce_scatters(ranks, world_size):
+    for r in ranks(world_size).run(_separate_reduce_scatter_group_compiled):
+        assert r["losses_equal"] and r["params_equal"], r
+        assert r["ag"] == {r["shard_group"]}, r
+        assert len(r["rs_on"]) == 1 and r["rs_on"] != {r["shard_group"]}, r
+        assert r["recompiled"] == 1 and r["rs_off"] == {r["shard_group"]}, r
+        assert r["own_group"] == r["shard_group"], r  # (switched off: back on the shard group)

@@ -7,12 +7,15 @@ import copy
 import functools
 import math
 import sys
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..runtime import inductor_options, traced
+from ..layouts.mesh import reduce_scatter_group
+from ..runtime import comm_buffers, inductor_options, traced
 from ..runtime.lifecycle import Event, IterationPhase, TrainingPhase
 from ..runtime.param_group import FSDPParamGroup
 from ..runtime.registry import class_name
@@ -138,7 +141,7 @@ class FSDPModule:
         value = _check_bool("reshard_after_backward", reshard_after_backward)
         self._set_fsdp_settings(recurse, reshard_after_backward=value)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at run time (see `fully_shard`)."""
         value = _check_bool("reshard_after_forward", reshard_after_forward)
         self._set_fsdp_settings(recurse, reshard_after_forward=value)
@@ -186,6 +189,47 @@ class FSDPModule:
         always sums. Traces record the choice (``CollectiveRecord.reduce_op``)."""
         value = _check_bool("enable", enable)
         self._set_fsdp_settings(recurse, force_sum_reduction=value)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated, as in PyTorch's ``fully_shard``: `set_gradient_divide_factor`."""
+        warnings.warn(
+            "FSDPModule.set_reduce_scatter_divide_factor is deprecated (as in PyTorch's fully_shard): use "
+            "set_gradient_divide_factor.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reduce-scatters (their input buffers) may be in flight at once; default
+        1. With ``k``, a module's reduce-scatter waits for the oldest in flight only once ``k`` are
+        pending, so on accelerators an exposed reduce-scatter does not stall the next module's
+        backward, at the cost of up to ``k`` gradient buffers alive at once. The root uses the
+        largest value among its modules. On CPU the collectives in flight stay bounded by
+        `set_collectives_in_flight` (default 0: each completes where it is issued)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                "set_reduce_scatter_max_input_buffers expects an int (how many reduce-scatter input buffers "
+                f"may be in flight), got {type(max_input_buffers).__name__}."
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers expects a count >= 1 (1 is the default: one "
+                f"reduce-scatter in flight), got {max_input_buffers}."
+            )
+        self._set_fsdp_settings(recurse, reduce_scatter_max_input_buffers=max_input_buffers)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """``True``: run the gradient reduce-scatters on a process group of their own over the same
+        shard ranks, so they can progress beside the all-gathers (a communicator serves its
+        collectives one at a time); made here, once per shard group, by its ranks: call it on every
+        rank alike. ``False``: back on the shard group. Results are the same to the bit."""
+        value = _check_bool("enable", enable)
+        states = list(self._fsdp_states(recurse))
+        for state in states:
+            for g in state.own:
+                g.separate_rs = reduce_scatter_group(g.info) if value else None
+            state.update_settings(separate_reduce_scatter=value)
 
     def set_bucket_bytes(self, nbytes: int) -> None:
         """On the root: consecutive sharded modules share one all-gather and one reduce-scatter while
@@ -288,15 +332,65 @@ class FSDPModule:
         """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather``: ``allocate(size,
         dtype=, device=)`` and ``__call__(output_tensor=, input_tensor=, group=, async_op=)``)."""
         _check_comm("set_custom_all_gather", comm)
-        self._own_groups("set_custom_all_gather")
+        _refuse_both("set_custom_all_gather", self._own_groups("set_custom_all_gather"))
         self._get_fsdp_state().update_settings(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``:
         ``allocate(...)`` and ``__call__(output_tensor=, input_tensor=, group=, op=, async_op=)``)."""
         _check_comm("set_custom_reduce_scatter", comm)
-        self._own_groups("set_custom_reduce_scatter")
+        _refuse_both("set_custom_reduce_scatter", self._own_groups("set_custom_reduce_scatter"))
         self._get_fsdp_state().update_settings(custom_reduce_scatter=comm)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """``True``: this module's all-gather and reduce-scatter staging buffers come from the process
+        group backend's own allocator where it has one (NCCL's: zero-copy transfers, e.g. over
+        NVLink SHARP); gloo has none, so the caching allocator serves them (said in a warning).
+        ``False``: the caching allocator (also undoing `set_symm_mem_for_comm`). Not together with a
+        custom all-gather / reduce-scatter. Eager steps: a compiled graph allocates through Inductor."""
+        value = _check_bool("enable", enable)
+        method = "set_allocate_memory_from_process_group_for_comm"
+        groups = self._own_groups(method)
+        if value:
+            _refuse_custom(method, self._get_fsdp_state())
+        for g in groups:
+            g.comm_buffers = comm_buffers.from_process_group(g.info.group) if value else None
+        lacking = sorted({str(g.info.device.type) for g in groups if value and not _has_allocator(g)})
+        if lacking:
+            backend = dist.get_backend(groups[0].info.group)
+            warnings.warn(
+                f"fully_shard: {method}(True) on {class_name(self)}: the process group's backend "
+                f"({backend}) has no allocator of its own for {', '.join(lacking)} tensors, so the caching "
+                "allocator serves the communication buffers, as without it.",
+                stacklevel=2,
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Allocate this module's all-gather buffers (and, with `set_force_sum_reduction_for_comms`
+        set before, its reduce-scatter's: NCCL's symmetric reduce-scatter only sums) in NCCL
+        symmetric memory, registered with every rank of the shard group, for NCCL's symmetric
+        all-gather kernels (copy-engine all-gather with ``NCCL_CTA_POLICY=2``). CUDA and NCCL only;
+        collective (one barrier): call it on every rank alike. Not together with a custom
+        all-gather / reduce-scatter; `set_allocate_memory_from_process_group_for_comm(False)` undoes
+        it. Eager steps: a compiled graph allocates through Inductor."""
+        method = "set_symm_mem_for_comm"
+        if backend != "NCCL":
+            raise ValueError(
+                f"{method}: the only symmetric memory backend is 'NCCL' (as PyTorch's), got {backend!r}."
+            )
+        groups = self._own_groups(method)
+        _refuse_custom(method, self._get_fsdp_state())
+        for g in groups:
+            pg_backend = str(dist.get_backend(g.info.group))
+            if g.info.device.type != "cuda" or "nccl" not in pg_backend:
+                raise ValueError(
+                    f"{method} on '{g.fqn or '<root>'}' ({class_name(self)}): symmetric memory needs CUDA "
+                    f"devices and an NCCL process group, and this module's mesh is on {g.info.device.type} "
+                    f"with {pg_backend}; nothing was changed. Fix: call it only on CUDA/NCCL meshes "
+                    "(set_allocate_memory_from_process_group_for_comm works on any backend)."
+                )
+        for g in groups:
+            g.comm_buffers = comm_buffers.symmetric(g.info.group, g.settings.force_sum_reduction)
 
     def set_all_gather_codec(
         self,
@@ -426,6 +520,35 @@ def _check_comm(method: str, comm: Any) -> None:
         raise TypeError(
             f"{method} expects a comm object with allocate(size, *, dtype, device) and __call__ (PyTorch's "
             f"FSDP2 AllGather / ReduceScatter comm interface), got {type(comm).__name__}."
+        )
+
+
+def _has_allocator(g: FSDPParamGroup) -> bool:
+    return g.info.world_size == 1 or comm_buffers.has_allocator(g.info.group, g.info.device)
+
+
+def _refuse_custom(method: str, state: FSDPState) -> None:
+    s = state.settings
+    if s.custom_all_gather is not None or s.custom_reduce_scatter is not None:
+        raise ValueError(
+            f"{method} on '{state.fqn or '<root>'}': this module has a custom all-gather / reduce-scatter "
+            "(set_custom_all_gather / set_custom_reduce_scatter), which allocates its own buffers; the two "
+            "cannot be used together (as in PyTorch's fully_shard); nothing was changed. Fix: allocate in "
+            "the custom comm's allocate(), or do not set a custom comm on this module."
+        )
+
+
+def _refuse_both(method: str, groups: list[FSDPParamGroup]) -> None:
+    kinds = sorted({g.comm_buffers.kind for g in groups if g.comm_buffers is not None})
+    if kinds:
+        setter = {
+            "process_group": "set_allocate_memory_from_process_group_for_comm",
+            "symm_mem": "set_symm_mem_for_comm",
+        }
+        raise ValueError(
+            f"{method} on '{groups[0].fqn or '<root>'}': this module's communication buffers come from "
+            f"{setter[kinds[0]]}, which cannot be used with a custom comm (as in PyTorch's fully_shard); "
+            "nothing was changed. Fix: call set_allocate_memory_from_process_group_for_comm(False) first."
         )
 
 

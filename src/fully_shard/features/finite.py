@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import all_gather_flat
 from ..runtime.param import FSDPParam
 from ..runtime.state import RootContext, StepVerdict
 
@@ -78,7 +79,7 @@ class FiniteCheck:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if world > 1:
             gathered = torch.empty(world * len(self.params), dtype=torch.uint8, device=self.flags.device)
-            dist.all_gather_into_tensor(gathered, self.flags)
+            all_gather_flat(gathered, self.flags)
             table = gathered.view(world, -1).cpu()
         else:
             table = self.flags.view(1, -1).to("cpu", copy=True)  # a copy: the flags are reset below

@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..runtime.collectives import all_gather_flat
+
 
 @dataclass(frozen=True)
 class MeshInfo:
@@ -176,6 +178,37 @@ def post_forward_groups(info: MeshInfo, size: int) -> PostForwardGroup:
     return made[size]
 
 
+@dataclass(frozen=True)
+class ReduceScatterGroup:
+    """`FSDPModule.set_separate_reduce_scatter_group`: a second process group over a shard group's
+    ranks, on which the reduce-scatters run, so that they can progress beside the all-gathers (one
+    NCCL communicator, or one gloo context, serves its collectives one at a time)."""
+
+    group: dist.ProcessGroup
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ReduceScatterGroup":
+        return self  # a shared process group
+
+
+_REDUCE_SCATTER: "weakref.WeakKeyDictionary[dist.ProcessGroup, ReduceScatterGroup]"
+_REDUCE_SCATTER = weakref.WeakKeyDictionary()
+
+
+def reduce_scatter_group(info: MeshInfo) -> Optional[ReduceScatterGroup]:
+    """The reduce-scatter's own group over ``info``'s shard ranks, made once per shard group (by its
+    members only: local synchronisation, as `post_forward_groups`); None where no reduce-scatter
+    runs (one shard rank, a simulated mesh)."""
+    if info.world_size == 1 or info.device.type == "meta":
+        return None
+    made = _REDUCE_SCATTER.get(info.group)
+    if made is None:
+        _align_group_counts(info)
+        ranks = dist.get_process_group_ranks(info.group)
+        pg = dist.new_group(ranks, use_local_synchronization=True, group_desc="fully_shard_reduce_scatter")
+        made = _REDUCE_SCATTER[info.group] = ReduceScatterGroup(pg)
+    return made
+
+
 def _align_group_counts(info: MeshInfo) -> None:
     """torch names a group made with local synchronisation after its ranks and the number of
     groups the calling rank already belongs to (``distributed_c10d._hash_ranks_to_str``): members
@@ -189,7 +222,7 @@ def _align_group_counts(info: MeshInfo) -> None:
         return
     mine = torch.tensor([len(names)], dtype=torch.int64, device=info.device)
     counts = mine.repeat(info.world_size)
-    dist.all_gather_into_tensor(counts, mine, group=info.group)
+    all_gather_flat(counts, mine, group=info.group)
     for _ in range(int(counts.max().item()) - len(names)):
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
 

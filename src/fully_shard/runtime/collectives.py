@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat-tensor collectives; 2.11 only has the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def empty_buffer(size: int, dtype: torch.dtype, device: torch.device, comm: Any) -> torch.Tensor:
@@ -56,7 +56,7 @@ def all_gather(
 ) -> dist.Work | None:
     if comm is not None:  # a custom AllGather: PyTorch's interface, called by keyword as PyTorch does
         return comm(output_tensor=output, input_tensor=ag_input, group=group, async_op=async_op)
-    return _all_gather_flat(output, ag_input, group=group, async_op=async_op)
+    return all_gather_flat(output, ag_input, group=group, async_op=async_op)
 
 
 def all_gather_copy_out(output: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor]) -> None:
@@ -136,4 +136,4 @@ def reduce_scatter(
         output, rs_input = torch.view_as_real(output).view(-1), torch.view_as_real(rs_input).view(-1)
     if comm is not None:  # a custom ReduceScatter: PyTorch's interface, called by keyword
         return comm(output_tensor=output, input_tensor=rs_input, group=group, op=op, async_op=async_op)
-    return _reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)
+    return reduce_scatter_flat(output, rs_input, op=op, group=group, async_op=async_op)

@@ -71,7 +71,9 @@ def custom_reduce_scatter(rs_input: torch.Tensor, key: int, world: int) -> torch
     flat = collectives.empty_buffer(n, dtype, device, comm)
     flat.copy_(rs_input.reshape(-1))
     output = collectives.empty_buffer(n // world, dtype, device, comm)
-    _wait(collectives.reduce_scatter(output, flat, group.info.group, False, dist.ReduceOp.SUM, comm))
+    _wait(
+        collectives.reduce_scatter(output, flat, group.reduce_scatter_group, False, dist.ReduceOp.SUM, comm)
+    )
     return output
 
 

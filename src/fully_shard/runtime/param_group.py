@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ..layouts.mesh import MeshInfo, PostForwardGroup
+from ..layouts.mesh import MeshInfo, PostForwardGroup, ReduceScatterGroup
 from . import collectives
 from .collective import HOOK_DRIVEN, Collective, Op, Reason
 from .comm import CommContext, Pending
+from .comm_buffers import CommBuffers
 from .copying import copy_fields, refuse_busy
 from .lifecycle import GROUP_STATES, ShardedState, advance
 from .param import FSDPParam, wrapper_key
@@ -187,6 +188,10 @@ class FSDPParamGroup:
         # Under torch.compile: the flag by which the next gather's backward that adds taken sums adds
         # them once (traced._sums_once); made by set_requires_gradient_sync / set_requires_all_reduce.
         self.traced_once: torch.Tensor | None = None
+        # FSDPModule.set_separate_reduce_scatter_group: the reduce-scatter's own process group
+        self.separate_rs: ReduceScatterGroup | None = None
+        # set_allocate_memory_from_process_group_for_comm / set_symm_mem_for_comm (comm_buffers.py)
+        self.comm_buffers: CommBuffers | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FSDPParamGroup:
         if (
@@ -287,6 +292,24 @@ class FSDPParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
+    @property
+    def reduce_scatter_group(self) -> dist.ProcessGroup:
+        """Where this group's reduce-scatter runs: its shard group, or the reduce-scatter's own."""
+        return self.separate_rs.group if self.separate_rs is not None else self.info.group
+
+    def _all_gather_comm(self) -> Any:
+        """The custom all-gather, else the buffer source's (None: the caching allocator)."""
+        custom = self.settings.custom_all_gather
+        if custom is None and self.comm_buffers is not None:
+            return self.comm_buffers.all_gather
+        return custom
+
+    def _reduce_scatter_comm(self) -> Any:
+        custom = self.settings.custom_reduce_scatter
+        if custom is None and self.comm_buffers is not None:
+            return self.comm_buffers.reduce_scatter
+        return custom
+
     def _comm(self) -> CommContext:
         if self.comm is None:
             raise RuntimeError(
@@ -340,7 +363,7 @@ class FSDPParamGroup:
 
     def _issue_gather(self, plan: _GatherPlan, reason: Reason, after: torch.Event | None) -> None:
         comm, members, world = self._comm(), plan.members, plan.world
-        custom = self.settings.custom_all_gather if world == self.info.world_size else None
+        custom = self._all_gather_comm() if world == self.info.world_size else None
         # inference_mode(False): a first forward under torch.inference_mode must not make the
         # buffers (reused for training) inference tensors.
         with (
@@ -574,19 +597,20 @@ class FSDPParamGroup:
         """One reduce-scatter of ``grads`` (None: zeros are sent), then, with ``reduce_unused``, one
         count per parameter of the ranks that had a gradient: a parameter no rank had one for keeps
         its ``.grad`` as it was, as in single-process training."""
-        comm, info, custom = self._comm(), self.info, self.settings.custom_reduce_scatter
+        comm, info, custom = self._comm(), self.info, self._reduce_scatter_comm()
         key = (dtype, self.settings.gradient_divide_factor, self.settings.force_sum_reduction)
         plan = self._reductions.get(key) or self._reduction(key)
         with torch.no_grad():
             rs_input, slot, missing = self._reduce_scatter_input(params, grads, dtype, plan.before)
             with comm.on(comm.reduce_scatter_stream):
                 nbytes = rs_input.numel() * rs_input.element_size()
-                c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, info.group, plan)
+                group = self.reduce_scatter_group
+                c = Collective(Op.REDUCE_SCATTER, reason, name, dtype, nbytes, group, plan)
                 if info.world_size == 1:  # one rank: its gradients are the reduced ones
                     output, work = rs_input, None
                 else:
                     output = collectives.empty_buffer(slot, dtype, info.device, custom)
-                    args = (output, rs_input, info.group, comm.async_op, plan.op, custom)
+                    args = (output, rs_input, group, comm.async_op, plan.op, custom)
                     work = comm.issue(c, functools.partial(collectives.reduce_scatter, *args))
                 pending = Pending(work=work, keep_alive=(rs_input,), what=c)
                 part = ReduceScatterPart(pending, output, params, plan, reason, name, missing=missing)
@@ -649,7 +673,7 @@ class FSDPParamGroup:
                 had[i] = 0
             inputs.append(had.expand(self.info.world_size, len(params)))
             slot += len(params)
-        custom = self.settings.custom_reduce_scatter
+        custom = self._reduce_scatter_comm()
         rs_input = collectives.reduce_scatter_copy_in(
             inputs, self.info.world_size, slot, dtype, device, custom
         )

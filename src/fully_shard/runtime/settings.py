@@ -42,6 +42,11 @@ class Settings:
     # FSDP2's: gradients accumulated without sync are summed in the reduce dtype where it differs from
     # the param dtype; False (FSDP1's): in the param dtype until the reduction (runtime/param.py)
     accumulate_in_reduce_dtype: bool = True
+    # the reduce-scatter on its own process group (`FSDPParamGroup.separate_rs`)
+    separate_reduce_scatter: bool = False
+    # reduce-scatter inputs a root keeps in flight (the largest of its modules' settings): the
+    # next module's reduce-scatter does not wait for the oldest until this many are pending
+    reduce_scatter_max_input_buffers: int = 1
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
     all_reduce_hook_stream: Optional[torch.Stream] = None
     # -- communication --
@@ -63,6 +68,7 @@ class Settings:
             self.force_sum_reduction,
             self.requires_all_reduce,
             self.reduce_unused,
+            self.separate_reduce_scatter,
         )
 
     def communicates_plainly(self) -> bool:

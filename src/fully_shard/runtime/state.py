@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections import deque
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
@@ -66,7 +67,8 @@ class RootContext:
         # (per-block compile; a recompute). One attribute (`traced.traced_here` reads only it): one
         # guard, the same value in a forward and in a recompute, so a block's graph serves both.
         self.eager_around = False
-        self.pending_reduce: Optional[ReduceScatterResult] = None
+        # reductions in flight, oldest first: at most the largest `reduce_scatter_max_input_buffers`
+        self.pending_reduces: deque[ReduceScatterResult] = deque()
         self.buckets: list[Bucket] = []
         self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
         self.unsynced_backwards = 0  # backwards run without gradient sync since the last synchronised one
@@ -76,19 +78,16 @@ class RootContext:
 
     def live_buffers(self) -> list[tuple[str, Optional[torch.Tensor]]]:
         """The input and output of the reduction in flight ("communication")."""
-        if self.pending_reduce is None:
-            return []
         return [
             ("communication", t)
-            for part in self.pending_reduce.parts
+            for result in self.pending_reduces
+            for part in result.parts
             for t in (*part.pending.keep_alive, part.output)
         ]
 
     def describe(self) -> list[str]:
         """What this root is doing, for the watchdog."""
-        reducing = (
-            f", reduction in flight: {self.pending_reduce.parts[0].name}" if self.pending_reduce else ""
-        )
+        reducing = "".join(f", reduction in flight: {r.parts[0].name}" for r in self.pending_reduces)
         lines = [f"{self.name()}: iteration {self.phase.name}{reducing}"]
         for s in self.states:
             groups = "".join(
@@ -104,7 +103,7 @@ class RootContext:
 
     def plan_buckets(self) -> None:
         """Cut the groups under this root into buckets by the root's byte budget (bucket.py)."""
-        if self.pending_reduce is not None or any(b.holds_grads for b in self.buckets):
+        if self.pending_reduces or any(b.holds_grads for b in self.buckets):
             raise RuntimeError(
                 f"fully_shard: set_bucket_bytes on {class_name(self.root.modules[0])} while gradients are "
                 "being reduced; call it between steps (after backward)."
@@ -181,17 +180,23 @@ class RootContext:
         Variable._execution_engine.queue_callback(lambda: self.handle(Event.BACKWARD_END))
 
     def start_reduce(self, results: list[ReduceScatterResult]) -> None:
-        # One reduce-scatter in flight at a time: it overlaps the next group's backward and holds
-        # at most one gradient buffer.
+        # By default one reduce-scatter in flight at a time: it overlaps the next group's backward
+        # and holds one gradient buffer. `set_reduce_scatter_max_input_buffers(k)`: up to k, the
+        # oldest waited for (on accelerators, the compute stream waits for its event) only then.
+        pending, limit = self.pending_reduces, self.max_input_buffers()
         for result in results:
-            self.finish_pending_reduce()
-            self.pending_reduce = result
+            while len(pending) >= limit:
+                pending.popleft().finish()
+            pending.append(result)
+
+    def max_input_buffers(self) -> int:
+        return max(s.settings.reduce_scatter_max_input_buffers for s in self.states)
 
     def finish_pending_reduce(self) -> None:
-        if self.pending_reduce is None:
-            return
-        result, self.pending_reduce = self.pending_reduce, None
-        result.finish()
+        """Wait for every reduction in flight, oldest first."""
+        pending = self.pending_reduces
+        while pending:
+            pending.popleft().finish()
 
     def backward_prefetch_target(self, state: "FSDPState") -> Optional["FSDPState"]:
         """The state whose forward ran just before ``state``'s (next in backward). Consumes ``state``'s
@@ -257,10 +262,9 @@ class RootContext:
         Autograd had added part of the failed micro-batch's gradients in place to those accumulated
         without sync since the last synchronised backward: they cannot be told apart, so the whole
         accumulation window goes (said in a warning)."""
-        if self.pending_reduce is not None:
-            for part in self.pending_reduce.parts:
+        while self.pending_reduces:
+            for part in self.pending_reduces.popleft().parts:
                 part.pending.discard()  # let the collective land before dropping its buffers
-            self.pending_reduce = None
         for bucket in self.buckets:
             bucket.discard()
         dropped = False
@@ -422,9 +426,7 @@ class FSDPState:
         self.setup_root: Optional[Callable[[RootContext], None]] = None  # api.py: the checks
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "FSDPState":
-        if self.ctx is not None and (
-            self.ctx.pending_reduce is not None or self.ctx.phase is IterationPhase.BACKWARD
-        ):
+        if self.ctx is not None and (self.ctx.pending_reduces or self.ctx.phase is IterationPhase.BACKWARD):
             refuse_busy(f"module {self.fqn or '<root>'}", "is between forward and the end of its backward")
         for group in self.groups:  # before `modules` leads deepcopy to the parameters
             for p in group.params:
@@ -828,7 +830,7 @@ class FSDPState:
         with record_function(f"FSDP::pre_backward {self.fqn}"):
             # CPU, below 2 in flight: the previous reduce-scatter's buffers (input, output, gloo's
             # copy) die before this module's gradients are made. Streams overlap it instead.
-            if ctx.pending_reduce is not None and not ctx.comm.reduce_overlaps_compute:
+            if ctx.pending_reduces and not ctx.comm.reduce_overlaps_compute:
                 ctx.finish_pending_reduce()
             if self.settings.unshard_in_backward:  # no-op if prefetched
                 self._unshard_groups(Reason.BACKWARD)

@@ -760,6 +760,7 @@ class _Plan:
         self.reduce_dtype = params[0].dtypes.reduce
         self.world = info.world_size
         self.group = info.group
+        self.rs_group = group.reduce_scatter_group  # (set_separate_reduce_scatter_group)
         self.replicate_group = info.replicate_group if info.is_hsdp and info.replicate_size > 1 else None
         factor = s.gradient_divide_factor if s.gradient_divide_factor is not None else info.data_parallel_size
         from .collectives import split_divide_factor
@@ -1037,7 +1038,7 @@ class _GatherGroup(torch.autograd.Function):
         if plan.world > 1 and plan.custom_reduce_scatter is not None:
             out = opaque.custom_reduce_scatter(rs_input, plan.custom_reduce_scatter, plan.world)
         elif plan.world > 1:
-            out = _landed(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.group))
+            out = _landed(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.rs_group))
         else:
             out = rs_input
         sizes = [layout.shard_numel for layout in plan.layouts]
