@@ -299,3 +299,178 @@ def test_pytorch_213_reduce_scatter_setup_trains_as_pytorchs(ranks, world_size, 
         # (how many stay in flight with streams: test_stream_check.py; on CPU each module's
         # backward waits for the reductions before it: set_collectives_in_flight)
         assert r["pending_after"] == 0, r  # the optimizer saw every reduction landed
+
+
+class _AllocatingBackend:
+    """A process group backend with an allocator of its own (as NCCL's), counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return True
+
+    def allocate_tensor(self, numel, *, dtype, device):
+        self.calls += 1
+        return torch.empty(numel, dtype=dtype, device=device)
+
+
+class _GroupWithAllocator:
+    """What comm_buffers asks of a process group for allocation: its backend on a device."""
+
+    def __init__(self, backend: _AllocatingBackend) -> None:
+        self.backend = backend
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+def _allocate_from_process_group() -> dict:
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fully_shard import fully_shard
+    from fully_shard.runtime import comm_buffers
+
+    ours, theirs = make_mlp(), make_mlp()
+    plain = copy.deepcopy(ours)
+    for m, fn in ((ours, fully_shard), (theirs, torch_fully_shard), (plain, fully_shard)):
+        shard_mlp(m, "nested", True, fn)
+    for m in (ours, plain):
+        m.set_bucket_bytes(0)
+        m.set_reduce_scatter_unused_params(False)  # PyTorch's layout: its summation order at 4 ranks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours[1].set_allocate_memory_from_process_group_for_comm(True)
+    theirs[1].set_allocate_memory_from_process_group_for_comm(True)  # (gloo: the caching allocator)
+    # gloo has no allocator: a stand-in backend that has one serves block 1's buffers instead
+    backend = _AllocatingBackend()
+    group = ours[1]._get_fsdp_state().own[0]
+    kind = group.comm_buffers.kind
+    group.comm_buffers = comm_buffers.from_process_group(_GroupWithAllocator(backend))
+    errors = []
+    for call in (lambda: ours[1].set_custom_all_gather(CountingAllGather()),
+                 lambda: ours[1].set_custom_reduce_scatter(CountingReduceScatter())):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    plain[2].set_custom_reduce_scatter(CountingReduceScatter())
+    try:
+        plain[2].set_allocate_memory_from_process_group_for_comm(True)
+    except ValueError as e:
+        errors.append(str(e))
+    refused_left_alone = (
+        ours[1]._get_fsdp_state().settings.custom_all_gather is None
+        and plain[2]._get_fsdp_state().own[0].comm_buffers is None
+    )
+    for m in (ours, theirs, plain):
+        _train(m)
+    ours[1].set_allocate_memory_from_process_group_for_comm(False)
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "kind": kind,
+        "allocations": backend.calls,
+        "vs_plain": max_abs_diff(ours, plain),
+        "vs_torch": max_abs_diff(ours, theirs),
+        "errors": errors,
+        "refused_left_alone": refused_left_alone,
+        "off": group.comm_buffers is None,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_allocate_memory_from_process_group_for_comm(ranks, world_size):
+    for r in ranks(world_size).run(_allocate_from_process_group):
+        assert r["kind"] == "process_group" and r["off"], r
+        if world_size > 1:  # gloo's backend has no allocator: said once, the caching allocator serves
+            assert len(r["warnings"]) == 1 and "(gloo) has no allocator of its own for cpu" in r["warnings"][0], r
+        else:  # (one rank runs no collective: nothing to say)
+            assert r["warnings"] == [], r
+        # 3 steps of block 1: the all-gather output in forward and in backward, the reduce-scatter's
+        # input and (with 2+ ranks) output, each from the backend's allocator
+        assert r["allocations"] == 3 * (2 + (2 if world_size > 1 else 1)), r
+        assert r["vs_plain"] == 0.0 and r["vs_torch"] == 0.0, r
+        assert len(r["errors"]) == 3 and r["refused_left_alone"], r
+        assert all("cannot be used with a custom comm" in e for e in r["errors"][:2]), r
+        assert "cannot be used together" in r["errors"][2] and "Fix:" in r["errors"][2], r
+
+
+def _divide_factor_alias() -> dict:
+    import warnings
+
+    from fully_shard import fully_shard
+
+    new, old = make_mlp(), make_mlp()
+    for m in (new, old):
+        shard_mlp(m, "nested", True, fully_shard)
+    new.set_gradient_divide_factor(3.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old.set_reduce_scatter_divide_factor(3.0)
+    for m in (new, old):
+        _train(m)
+    return {"warnings": [(w.category.__name__, str(w.message)) for w in caught],
+            "equal": all(torch.equal(a.full_tensor(), b.full_tensor())
+                         for a, b in zip(new.parameters(), old.parameters()))}
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_set_reduce_scatter_divide_factor_is_the_deprecated_name(ranks, world_size):
+    for r in ranks(world_size).run(_divide_factor_alias):
+        assert r["equal"], r
+        assert len(r["warnings"]) == 1 and r["warnings"][0][0] == "DeprecationWarning", r
+        assert "use set_gradient_divide_factor" in r["warnings"][0][1], r
+
+
+def test_bad_communication_setup_is_refused():
+    from fake_world import fake_world
+
+    from fully_shard import fully_shard
+
+    with fake_world(2) as mesh:
+        model = make_mlp()
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for bad, error in ((True, TypeError), (2.0, TypeError), (0, ValueError)):
+            with pytest.raises(error, match="set_reduce_scatter_max_input_buffers expects"):
+                model.set_reduce_scatter_max_input_buffers(bad)  # type: ignore[arg-type]
+        assert model._get_fsdp_state().settings.reduce_scatter_max_input_buffers == 1
+        with pytest.raises(ValueError, match="enable must be True or False"):
+            model.set_separate_reduce_scatter_group("yes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="the only symmetric memory backend is 'NCCL'"):
+            model[0].set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"symmetric memory needs CUDA devices and an NCCL process group.*"
+                           r"on cpu.*nothing was changed\. Fix:"):
+            model[0].set_symm_mem_for_comm()
+        assert model[0]._get_fsdp_state().own[0].comm_buffers is None
+        with pytest.raises(ValueError, match="manages no parameters of its own"):
+            fully_shard(torch.nn.Sequential(model[0]), mesh=mesh).set_symm_mem_for_comm()
+
+
+def test_every_method_of_pytorchs_fsdp_module_takes_the_same_arguments():
+    """Code written for PyTorch's FSDPModule calls ours as it is: each public method exists and
+    accepts PyTorch's parameters in the same way (name, positional or keyword, default); ours may
+    add keyword-only parameters with defaults."""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fully_shard import FSDPModule
+
+    checked = []
+    for name in sorted(n for n in dir(TorchFSDPModule) if not n.startswith("_")):
+        theirs = getattr(TorchFSDPModule, name)
+        if not callable(theirs):
+            continue
+        assert hasattr(FSDPModule, name), f"FSDPModule lacks PyTorch's {name}"
+        tp, op = inspect.signature(theirs).parameters, inspect.signature(getattr(FSDPModule, name)).parameters
+        for pname, p in tp.items():
+            assert pname in op, (name, pname)
+            assert op[pname].kind == p.kind, (name, pname, op[pname].kind, p.kind)
+            assert op[pname].default == p.default, (name, pname)
+        for pname in op.keys() - tp.keys():
+            assert op[pname].kind is inspect.Parameter.KEYWORD_ONLY and op[pname].default is not inspect._empty
+        checked.append(name)
+    assert {"unshard", "set_requires_gradient_sync", "set_allocate_memory_from_process_group_for_comm"} <= set(checked)
