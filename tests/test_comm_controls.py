@@ -267,33 +267,46 @@ def _setup_method(case: str) -> dict:
     ours, theirs = make_mlp(), make_mlp()
     ref = copy.deepcopy(ours)
     for m, fn in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        if case == "separate_hsdp":  # (2 replicas x 2 shards): one reduce-scatter group per replica
+            from torch.distributed.device_mesh import init_device_mesh
+
+            hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            fn = (lambda f: lambda module, mesh, **kw: f(module, mesh=hsdp, **kw))(fn)
         shard_mlp(m, "nested", True, fn)
     ours.set_bucket_bytes(0)  # one reduce-scatter per group, as PyTorch's
     ours.set_reduce_scatter_unused_params(False)  # PyTorch's layout: its summation order at 4 ranks
     method, args = {"separate": ("set_separate_reduce_scatter_group", ()),
+                    "separate_hsdp": ("set_separate_reduce_scatter_group", ()),
                     "buffers": ("set_reduce_scatter_max_input_buffers", (3,))}[case]
     compared = hasattr(theirs, method)  # (PyTorch 2.13's; 2.11 has neither)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # neither warns
         for m in (ours, theirs) if compared else (ours,):
             getattr(m, method)(*args)
+    twin = copy.deepcopy(ours)  # a deep copy keeps the settings and shares the process groups
     with debug.trace() as t:
         out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
+    _train(twin, weight_decay=0.1)
     if compared:
         _train(theirs, weight_decay=0.1)  # as _train_pair trains ours
     groups = {op: {r.group_name for r in t.select(op=op)} for op in ("all_gather", "reduce_scatter")}
     return {**out, "vs_torch": max_abs_diff(ours, theirs) if compared else None, "groups": groups,
+            "vs_twin": max_abs_diff(ours, twin),
+            "twin_group": twin[0]._get_fsdp_state().own[0].reduce_scatter_group
+            is ours[0]._get_fsdp_state().own[0].reduce_scatter_group,
             "pending_after": len(ours._get_fsdp_state().ctx.pending_reduces)}
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("case", ["separate", "buffers"])
+@pytest.mark.parametrize(
+    "world_size, case", [(w, c) for w in (1, 2, 4) for c in ("separate", "buffers")] + [(4, "separate_hsdp")]
+)
 def test_pytorch_213_reduce_scatter_setup_trains_as_pytorchs(ranks, world_size, case):
     results = ranks(world_size).run(_setup_method, case)
     check(results, f"{case} vs single process (float64)")
     for r in results:
         assert r["vs_torch"] in (0.0, None), r  # bit-exact with PyTorch's where it has the method
-        if case == "separate" and world_size > 1:  # reduce-scatters on a group of their own
+        assert r["vs_twin"] == 0.0 and r["twin_group"], r
+        if case.startswith("separate") and world_size > 1:  # reduce-scatters on a group of their own
             assert len(r["groups"]["reduce_scatter"]) == 1 and len(r["groups"]["all_gather"]) == 1, r
             assert r["groups"]["reduce_scatter"] != r["groups"]["all_gather"], r
         # (how many stay in flight with streams: test_stream_check.py; on CPU each module's
