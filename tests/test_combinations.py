@@ -90,6 +90,14 @@ def make_config(seed: int, world_size: int = 2) -> dict:
             c["root_reshard"] = r.choice([None, True, False, 2])
     if c["mp"] != "none":
         c["ignored"] = False  # (an ignored fp32 weight beside bf16 compute: the user's dtype error)
+    # Drawn from a stream of their own: the draws above stay what they were for every seed.
+    e = random.Random(seed + 1_000_003)
+    c["offload"] = e.random() < 0.2
+    c["prefetch"] = e.random() < 0.25 and not c["list_group"] and c["n_layers"] >= 2
+    c["checkpoint"] = e.random() < 0.25  # checkpoint_wrapper around each block
+    c["separate_rs"] = e.random() < 0.2  # PyTorch 2.13's set_separate_reduce_scatter_group
+    c["rs_buffers"] = e.choice([1, 1, 1, 2])  # set_reduce_scatter_max_input_buffers
+    c["flip_reshard"] = e.random() < 0.15  # set_reshard_after_forward on block 0 after step 1
     return c
 
 
@@ -132,7 +140,23 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
         for layer in m.layers:
             parallelize_module(layer, mesh["tp"], plan)
         mesh = mesh["dp"]
+    if c.get("checkpoint"):  # (keeping attention's output: torch 2.13 cannot recompute it in a graph
+        # with DTensor inputs, docs/compile.md; test_traced.py tests that refusal)
+        import functools
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = functools.partial(create_selective_checkpoint_contexts, _save_attention)
+        for i, layer in enumerate(list(m.layers)):
+            m.layers[i] = checkpoint_wrapper(layer, context_fn=policy)
     kw: dict = {"mesh": mesh, "mp_policy": mp}
+    if c.get("offload"):
+        if impl == "ours":
+            from fully_shard import CPUOffloadPolicy
+        else:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if c["dim1"]:
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 3 else None
     layers = list(m.layers)
@@ -151,10 +175,28 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
         m.set_reduce_scatter_unused_params(False)
     if c["bucket"] and impl == "ours":
         m.set_bucket_bytes(1 << 20)
+    if c.get("prefetch"):  # each block gathers the next in forward and the previous in backward
+        blocks = list(m.layers)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 2])
+            block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0) : i])
+    if c.get("separate_rs"):
+        m.set_separate_reduce_scatter_group()
+    if c.get("rs_buffers", 1) > 1:
+        m.set_reduce_scatter_max_input_buffers(c["rs_buffers"])
     for module in m.modules() if c["div_factor"] else ():  # (PyTorch's sets the module's own group only)
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(3.0)
     return m
+
+
+def _save_attention(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    sdpa = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default)
+    return CheckpointPolicy.MUST_SAVE if op in sdpa else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _schedule(c: dict) -> list[list[tuple[bool, bool]]]:
@@ -177,6 +219,8 @@ def _train(m: Llama, c: dict, fn=None) -> tuple[list[float], list[float]]:
     for step, micro in enumerate(_schedule(c)):
         if c["explicit_unshard"] and step == 1:
             m.unshard()
+        if c.get("flip_reshard") and step == 1:
+            m.layers[0].set_reshard_after_forward(not c["reshard"][0] if type(c["reshard"][0]) is bool else True)
         for j, (sync, compiled) in enumerate(micro):
             m.set_requires_gradient_sync(sync)
             x, y = synthetic_batch(3 * step + j, 4, 16, c["vocab"])

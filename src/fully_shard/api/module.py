@@ -610,7 +610,11 @@ class _CompileOnFirstCall:
         if self.whole:  # the whole model traced: refused here, with the message (`traced`; once
             # per grad mode, then a lookup)
             traced.refuse_untraceable_tree(self.module._get_fsdp_state())  # type: ignore[attr-defined]
-        return self.compiled(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except AssertionError as e:
+            traced.explain_saved_state_failure(e)
+            raise
 
 
 class _ForwardMethod:

@@ -515,6 +515,27 @@ def _composable_checkpointed(state: Any) -> Optional[str]:
     return None
 
 
+def explain_saved_state_failure(e: AssertionError) -> None:
+    """torch 2.13's AOTAutograd, where activation checkpointing recomputes a random op
+    (``scaled_dot_product_attention``, dropout) in a graph with DTensor inputs, saves the RNG state
+    after the DeviceMesh it keeps for backward, and its runtime then finds the mesh among the
+    saved tensors. Raise what happened and the fixes instead (docs/compile.md)."""
+    message = str(e)
+    if not (message.startswith("expected all tensors_saved") and "DeviceMesh" in message):
+        return
+    raise RuntimeError(
+        f"fully_shard: torch {torch.__version__}'s AOTAutograd could not save this model's activations for "
+        "backward: activation checkpointing recomputes a random op (scaled_dot_product_attention, "
+        "dropout) in a model compiled whole, and torch 2.13 then saves that op's RNG state out of "
+        "place beside the DTensor parameters' DeviceMesh (a torch problem; torch 2.11 compiles it). "
+        "The forward raised: nothing was trained by this call. Fix: keep those ops' outputs with a "
+        "selective checkpoint policy (checkpoint_wrapper(block, context_fn=partial("
+        "create_selective_checkpoint_contexts, policy)) where policy returns MUST_SAVE for "
+        "torch.ops.aten._scaled_dot_product_*_attention* and dropout: docs/compile.md), or compile "
+        "each block on its own (block.compile())."
+    ) from e
+
+
 # -- the collectives
 
 
