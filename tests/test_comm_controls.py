@@ -283,15 +283,29 @@ def _setup_method(case: str) -> dict:
         warnings.simplefilter("error")  # neither warns
         for m in (ours, theirs) if compared else (ours,):
             getattr(m, method)(*args)
+    if case == "buffers":  # on CPU, reductions stay in flight past a module's backward only so
+        ours.set_collectives_in_flight(4)
     twin = copy.deepcopy(ours)  # a deep copy keeps the settings and shares the process groups
-    with debug.trace() as t:
-        out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
+    from fully_shard.runtime.state import RootContext
+
+    depth, original = {"max": 0}, RootContext.reduce
+
+    def reduce(self, issue):
+        original(self, issue)
+        depth["max"] = max(depth["max"], len(self.pending_reduces))
+
+    RootContext.reduce = reduce
+    try:
+        with debug.trace() as t:
+            out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
+    finally:
+        RootContext.reduce = original
     _train(twin, weight_decay=0.1)
     if compared:
         _train(theirs, weight_decay=0.1)  # as _train_pair trains ours
     groups = {op: {r.group_name for r in t.select(op=op)} for op in ("all_gather", "reduce_scatter")}
     return {**out, "vs_torch": max_abs_diff(ours, theirs) if compared else None, "groups": groups,
-            "vs_twin": max_abs_diff(ours, twin),
+            "vs_twin": max_abs_diff(ours, twin), "depth": depth["max"],
             "twin_group": twin[0]._get_fsdp_state().own[0].reduce_scatter_group
             is ours[0]._get_fsdp_state().own[0].reduce_scatter_group,
             "pending_after": len(ours._get_fsdp_state().ctx.pending_reduces)}
@@ -309,8 +323,9 @@ def test_pytorch_213_reduce_scatter_setup_trains_as_pytorchs(ranks, world_size, 
         if case.startswith("separate") and world_size > 1:  # reduce-scatters on a group of their own
             assert len(r["groups"]["reduce_scatter"]) == 1 and len(r["groups"]["all_gather"]) == 1, r
             assert r["groups"]["reduce_scatter"] != r["groups"]["all_gather"], r
-        # (how many stay in flight with streams: test_stream_check.py; on CPU each module's
-        # backward waits for the reductions before it: set_collectives_in_flight)
+        # reductions in flight at once: 3 of the 4 groups' (with 4 collectives allowed in flight on
+        # CPU; streams: test_stream_check.py), else one
+        assert r["depth"] == (3 if case == "buffers" else 1), r
         assert r["pending_after"] == 0, r  # the optimizer saw every reduction landed
 
 
@@ -361,23 +376,24 @@ def _allocate_from_process_group() -> dict:
     backend = _AllocatingBackend()
     group = ours[1]._get_fsdp_state().own[0]
     kind = group.comm_buffers.kind
-    group.comm_buffers = comm_buffers.from_process_group(_GroupWithAllocator(backend))
+    stand_in = _GroupWithAllocator(backend)
+    group.comm_buffers = comm_buffers.from_process_group(stand_in, stand_in)
+    alone = not ours[1]._get_fsdp_state().default_schedule  # (with a buffer source: never in a bucket)
     errors = []
-    for call in (lambda: ours[1].set_custom_all_gather(CountingAllGather()),
-                 lambda: ours[1].set_custom_reduce_scatter(CountingReduceScatter())):
-        try:
-            call()
-        except ValueError as e:
-            errors.append(str(e))
     plain[2].set_custom_reduce_scatter(CountingReduceScatter())
-    try:
+    try:  # refused after a custom comm, as PyTorch's
         plain[2].set_allocate_memory_from_process_group_for_comm(True)
     except ValueError as e:
         errors.append(str(e))
-    refused_left_alone = (
-        ours[1]._get_fsdp_state().settings.custom_all_gather is None
-        and plain[2]._get_fsdp_state().own[0].comm_buffers is None
-    )
+    refused_left_alone = plain[2]._get_fsdp_state().own[0].comm_buffers is None
+    # a custom comm set after it takes over, as PyTorch's
+    other = plain[0]._get_fsdp_state().own[0]
+    plain[0].set_allocate_memory_from_process_group_for_comm(True)
+    custom = CountingAllGather()
+    plain[0].set_custom_all_gather(custom)
+    overridden = other._all_gather_comm() is custom and other._reduce_scatter_comm() is other.comm_buffers.reduce_scatter
+    plain[0].set_allocate_memory_from_process_group_for_comm(False)
+    plain[0]._get_fsdp_state().update_settings(custom_all_gather=None)
     for m in (ours, theirs, plain):
         _train(m)
     ours[1].set_allocate_memory_from_process_group_for_comm(False)
@@ -389,7 +405,9 @@ def _allocate_from_process_group() -> dict:
         "vs_torch": max_abs_diff(ours, theirs),
         "errors": errors,
         "refused_left_alone": refused_left_alone,
-        "off": group.comm_buffers is None,
+        "off": group.comm_buffers is None and ours[1]._get_fsdp_state().default_schedule,
+        "alone": alone,
+        "overridden": overridden,
     }
 
 
@@ -405,9 +423,9 @@ def test_allocate_memory_from_process_group_for_comm(ranks, world_size):
         # input and (with 2+ ranks) output, each from the backend's allocator
         assert r["allocations"] == 3 * (2 + (2 if world_size > 1 else 1)), r
         assert r["vs_plain"] == 0.0 and r["vs_torch"] == 0.0, r
-        assert len(r["errors"]) == 3 and r["refused_left_alone"], r
-        assert all("cannot be used with a custom comm" in e for e in r["errors"][:2]), r
-        assert "cannot be used together" in r["errors"][2] and "Fix:" in r["errors"][2], r
+        assert r["alone"] and r["overridden"], r
+        assert len(r["errors"]) == 1 and r["refused_left_alone"], r
+        assert "cannot be used together" in r["errors"][0] and "Fix:" in r["errors"][0], r
 
 
 def _divide_factor_alias() -> dict:
@@ -450,7 +468,7 @@ def test_bad_communication_setup_is_refused():
             with pytest.raises(error, match="set_reduce_scatter_max_input_buffers expects"):
                 model.set_reduce_scatter_max_input_buffers(bad)  # type: ignore[arg-type]
         assert model._get_fsdp_state().settings.reduce_scatter_max_input_buffers == 1
-        with pytest.raises(ValueError, match="enable must be True or False"):
+        with pytest.raises(ValueError, match=r"set_separate_reduce_scatter_group\(enable\) must be True or False"):
             model.set_separate_reduce_scatter_group("yes")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="the only symmetric memory backend is 'NCCL'"):
             model[0].set_symm_mem_for_comm("NVSHMEM")  # type: ignore[arg-type]
@@ -460,6 +478,10 @@ def test_bad_communication_setup_is_refused():
         assert model[0]._get_fsdp_state().own[0].comm_buffers is None
         with pytest.raises(ValueError, match="manages no parameters of its own"):
             fully_shard(torch.nn.Sequential(model[0]), mesh=mesh).set_symm_mem_for_comm()
+        model[0].set_force_sum_reduction_for_comms(True)
+        model[0].set_reduce_scatter_max_input_buffers(2)
+        with pytest.raises(ValueError, match=r"max_input_buffers\(> 1\) with a reduce-scatter in NCCL symmetric"):
+            model[0].set_symm_mem_for_comm()  # (refused before the device check)
 
 
 def test_every_method_of_pytorchs_fsdp_module_takes_the_same_arguments():

@@ -362,8 +362,31 @@ def test_cuda_communication_setup_keeps_parity(nccl_world, setup):
             if setup == "symm_mem_sum":
                 m.set_force_sum_reduction_for_comms(True, recurse=False)
             m.set_symm_mem_for_comm()
-        kinds = {m._get_fsdp_state().own[0].comm_buffers.kind for m in (model, *model.layers)}
-        assert kinds == {"symm_mem"}
+    buffers = [m._get_fsdp_state().own[0].comm_buffers for m in (model, *model.layers)]
+    if setup.startswith("symm_mem"):  # the reduce-scatter's too only with SUM reductions
+        assert {b.kind for b in buffers} == {"symm_mem"}
+        assert all((b.reduce_scatter is not None) == (setup == "symm_mem_sum") for b in buffers)
+    elif setup == "process_group_alloc":
+        assert {b.kind for b in buffers} == {"process_group"}
+    from fully_shard.runtime.state import RootContext
+
+    depth, original = {"max": 0}, RootContext.reduce
+
+    def reduce(self, issue):
+        original(self, issue)
+        depth["max"] = max(depth["max"], len(self.pending_reduces))
+
+    RootContext.reduce = reduce
+    try:
+        _train_checking_pending(model, ref)
+    finally:
+        RootContext.reduce = original
+    # 4 groups reduce per backward (no buckets): 3 in flight at once with the setting, else 1
+    assert depth["max"] == (3 if setup == "rs_buffers" else 1)
+
+
+def _train_checking_pending(model, ref) -> None:
+    """3 steps beside the reference: equal within TOL64, no reduction pending after a backward."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for step in range(3):

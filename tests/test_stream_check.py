@@ -48,16 +48,16 @@ def _train(case: str, steps: int = 2) -> dict:
     if case == "separate_rs":  # the reduce-scatters on a process group of their own
         model.set_separate_reduce_scatter_group()
     depth = {"max": 0}
-    original_start = RootContext.start_reduce
+    original_reduce = RootContext.reduce
 
-    def start_reduce(self, results):
-        original_start(self, results)
+    def reduce(self, issue):
+        original_reduce(self, issue)
         depth["max"] = max(depth["max"], len(self.pending_reduces))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     micro = 2 if case == "accumulation" else 1
-    RootContext.start_reduce = start_reduce
-    with stream_check.checked(raise_on_exit=False) as checker, _restoring(RootContext, original_start):
+    RootContext.reduce = reduce
+    with stream_check.checked(raise_on_exit=False) as checker, _restoring(RootContext, original_reduce):
         for step in range(steps):
             for i in range(micro):
                 x, y = mlp_batch(10 * step + i)
@@ -84,11 +84,11 @@ def _train(case: str, steps: int = 2) -> dict:
 
 
 @contextlib.contextmanager
-def _restoring(cls, start_reduce):
+def _restoring(cls, reduce):
     try:
         yield
     finally:
-        cls.start_reduce = start_reduce
+        cls.reduce = reduce
 
 
 CASES = [
@@ -138,8 +138,8 @@ def _injected(bug: str) -> dict:
         comm.Pending.wait = wait_skipping_event
     else:
         comm.CommContext.track = track_dropping_input
-    try:
-        return _train("plain", steps=1)
+    try:  # (freed early: unbucketed, so a module's backward allocates after a reduce-scatter's issue)
+        return _train("unbucketed" if bug == "freed_early" else "plain", steps=1)
     finally:
         comm.Pending.wait, comm.CommContext.track = original_wait, original_track
 

@@ -217,6 +217,15 @@ class FSDPModule:
                 f"set_reduce_scatter_max_input_buffers expects a count >= 1 (1 is the default: one "
                 f"reduce-scatter in flight), got {max_input_buffers}."
             )
+        if max_input_buffers > 1:
+            for state in self._fsdp_states(recurse):
+                if any(
+                    g.comm_buffers is not None
+                    and g.comm_buffers.reduce_scatter is not None
+                    and g.comm_buffers.kind == "symm_mem"
+                    for g in state.own
+                ):
+                    raise ValueError(_SYMMETRIC_BUFFERS.format(where=f"'{state.fqn or '<root>'}'"))
         self._set_fsdp_settings(recurse, reduce_scatter_max_input_buffers=max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
@@ -224,11 +233,14 @@ class FSDPModule:
         shard ranks, so they can progress beside the all-gathers (a communicator serves its
         collectives one at a time); made here, once per shard group, by its ranks: call it on every
         rank alike. ``False``: back on the shard group. Results are the same to the bit."""
-        value = _check_bool("enable", enable)
+        value = _check_bool("set_separate_reduce_scatter_group(enable)", enable)
         states = list(self._fsdp_states(recurse))
-        for state in states:
+        made = {id(g): reduce_scatter_group(g.info) if value else None for s in states for g in s.own}
+        for state in states:  # (every group made first: a failure changes nothing)
             for g in state.own:
-                g.separate_rs = reduce_scatter_group(g.info) if value else None
+                g.separate_rs = made[id(g)]
+                if g.comm_buffers is not None:  # its buffers from the reduce-scatter's group now
+                    g.comm_buffers = comm_buffers.remake(g.comm_buffers, g.info.group, g.reduce_scatter_group)
             state.update_settings(separate_reduce_scatter=value)
 
     def set_bucket_bytes(self, nbytes: int) -> None:
@@ -332,14 +344,14 @@ class FSDPModule:
         """All-gather this module's parameters with ``comm`` (PyTorch's ``AllGather``: ``allocate(size,
         dtype=, device=)`` and ``__call__(output_tensor=, input_tensor=, group=, async_op=)``)."""
         _check_comm("set_custom_all_gather", comm)
-        _refuse_both("set_custom_all_gather", self._own_groups("set_custom_all_gather"))
+        self._own_groups("set_custom_all_gather")
         self._get_fsdp_state().update_settings(custom_all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (PyTorch's ``ReduceScatter``:
         ``allocate(...)`` and ``__call__(output_tensor=, input_tensor=, group=, op=, async_op=)``)."""
         _check_comm("set_custom_reduce_scatter", comm)
-        _refuse_both("set_custom_reduce_scatter", self._own_groups("set_custom_reduce_scatter"))
+        self._own_groups("set_custom_reduce_scatter")
         self._get_fsdp_state().update_settings(custom_reduce_scatter=comm)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
@@ -348,13 +360,16 @@ class FSDPModule:
         NVLink SHARP); gloo has none, so the caching allocator serves them (said in a warning).
         ``False``: the caching allocator (also undoing `set_symm_mem_for_comm`). Not together with a
         custom all-gather / reduce-scatter. Eager steps: a compiled graph allocates through Inductor."""
-        value = _check_bool("enable", enable)
         method = "set_allocate_memory_from_process_group_for_comm"
+        value = _check_bool(f"{method}(enable)", enable)
         groups = self._own_groups(method)
+        state = self._get_fsdp_state()
         if value:
-            _refuse_custom(method, self._get_fsdp_state())
+            _refuse_custom(method, state)
         for g in groups:
-            g.comm_buffers = comm_buffers.from_process_group(g.info.group) if value else None
+            rs_group = g.reduce_scatter_group
+            g.comm_buffers = comm_buffers.from_process_group(g.info.group, rs_group) if value else None
+        state.update_settings()  # (a module with a buffer source communicates alone: no bucket)
         lacking = sorted({str(g.info.device.type) for g in groups if value and not _has_allocator(g)})
         if lacking:
             backend = dist.get_backend(groups[0].info.group)
@@ -379,7 +394,10 @@ class FSDPModule:
                 f"{method}: the only symmetric memory backend is 'NCCL' (as PyTorch's), got {backend!r}."
             )
         groups = self._own_groups(method)
-        _refuse_custom(method, self._get_fsdp_state())
+        state = self._get_fsdp_state()
+        _refuse_custom(method, state)
+        if state.settings.force_sum_reduction and state.settings.reduce_scatter_max_input_buffers > 1:
+            raise ValueError(_SYMMETRIC_BUFFERS.format(where=f"'{state.fqn or '<root>'}'"))
         for g in groups:
             pg_backend = str(dist.get_backend(g.info.group))
             if g.info.device.type != "cuda" or "nccl" not in pg_backend:
@@ -390,7 +408,9 @@ class FSDPModule:
                     "(set_allocate_memory_from_process_group_for_comm works on any backend)."
                 )
         for g in groups:
-            g.comm_buffers = comm_buffers.symmetric(g.info.group, g.settings.force_sum_reduction)
+            sum_only = g.settings.force_sum_reduction
+            g.comm_buffers = comm_buffers.symmetric(g.info.group, g.reduce_scatter_group, sum_only)
+        state.update_settings()  # (a module with a buffer source communicates alone: no bucket)
 
     def set_all_gather_codec(
         self,
@@ -538,18 +558,13 @@ def _refuse_custom(method: str, state: FSDPState) -> None:
         )
 
 
-def _refuse_both(method: str, groups: list[FSDPParamGroup]) -> None:
-    kinds = sorted({g.comm_buffers.kind for g in groups if g.comm_buffers is not None})
-    if kinds:
-        setter = {
-            "process_group": "set_allocate_memory_from_process_group_for_comm",
-            "symm_mem": "set_symm_mem_for_comm",
-        }
-        raise ValueError(
-            f"{method} on '{groups[0].fqn or '<root>'}': this module's communication buffers come from "
-            f"{setter[kinds[0]]}, which cannot be used with a custom comm (as in PyTorch's fully_shard); "
-            "nothing was changed. Fix: call set_allocate_memory_from_process_group_for_comm(False) first."
-        )
+_SYMMETRIC_BUFFERS = (
+    "fully_shard: module {where}: set_reduce_scatter_max_input_buffers(> 1) with a reduce-scatter in NCCL "
+    "symmetric memory (set_symm_mem_for_comm with set_force_sum_reduction_for_comms(True)): each buffer "
+    "in flight would hold its own symmetric segment, which can exhaust symmetric memory (PyTorch's "
+    "fully_shard refuses it too); nothing was changed. Fix: keep max_input_buffers at 1 on this module, "
+    "or set symmetric memory without force-sum reductions (the all-gather only)."
+)
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -613,7 +628,7 @@ class _CompileOnFirstCall:
         try:
             return self.compiled(*args, **kwargs)
         except AssertionError as e:
-            traced.explain_saved_state_failure(e)
+            traced.explain_saved_state_failure(e, class_name(self.module))
             raise
 
 

@@ -109,10 +109,10 @@ class CommBuffers:
         return self
 
 
-def from_process_group(group: dist.ProcessGroup) -> CommBuffers:
-    """Buffers from ``group``'s backend allocator (the shard group's: a separate reduce-scatter
-    group has the same ranks and backend)."""
-    return CommBuffers("process_group", BackendAllGather(group), BackendReduceScatter(group))
+def from_process_group(group: dist.ProcessGroup, rs_group: dist.ProcessGroup) -> CommBuffers:
+    """Buffers from the backend allocator of the group each collective runs on (``rs_group``: the
+    reduce-scatter's, which `set_separate_reduce_scatter_group` may make a group of its own)."""
+    return CommBuffers("process_group", BackendAllGather(group), BackendReduceScatter(rs_group))
 
 
 def has_allocator(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -120,14 +120,25 @@ def has_allocator(group: dist.ProcessGroup, device: torch.device) -> bool:
     return bool(group._get_backend(device).supports_tensor_alloc(device))
 
 
-def symmetric(group: dist.ProcessGroup, sum_only: bool) -> CommBuffers:
+def symmetric(group: dist.ProcessGroup, rs_group: dist.ProcessGroup, sum_only: bool) -> CommBuffers:
     """NCCL symmetric memory for the all-gather and, where every reduction is a SUM
     (``set_force_sum_reduction_for_comms``: NCCL's symmetric reduce-scatter sums only), the
-    reduce-scatter. Collective: every rank of the group makes it (one barrier)."""
+    reduce-scatter (on ``rs_group``). Collective: every rank of the groups makes it (a barrier on
+    each, so each communicator exists before its first rendezvous)."""
     import torch.distributed._symmetric_memory as symm_mem
 
     symm_mem.set_backend("NCCL")
-    dist.barrier(group=group)  # the communicator exists before the first rendezvous
+    dist.barrier(group=group)
+    if sum_only and rs_group is not group:
+        dist.barrier(group=rs_group)
     return CommBuffers(
-        "symm_mem", SymmetricAllGather(group), SymmetricReduceScatter(group) if sum_only else None
+        "symm_mem", SymmetricAllGather(group), SymmetricReduceScatter(rs_group) if sum_only else None
     )
+
+
+def remake(buffers: CommBuffers, group: dist.ProcessGroup, rs_group: dist.ProcessGroup) -> CommBuffers:
+    """``buffers`` for a group whose reduce-scatter moved to ``rs_group``
+    (`set_separate_reduce_scatter_group` after a buffer source was set)."""
+    if buffers.kind == "process_group":
+        return from_process_group(group, rs_group)
+    return symmetric(group, rs_group, buffers.reduce_scatter is not None)

@@ -14,6 +14,7 @@ Each hook reports one event; the tables at the bottom decide what runs (`MODULE`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import deque
 from typing import Any, Callable, Optional, Protocol, Sequence, Union
@@ -179,13 +180,17 @@ class RootContext:
         """Have autograd call us when this backward ends."""
         Variable._execution_engine.queue_callback(lambda: self.handle(Event.BACKWARD_END))
 
-    def start_reduce(self, results: list[ReduceScatterResult]) -> None:
-        # By default one reduce-scatter in flight at a time: it overlaps the next group's backward
-        # and holds one gradient buffer. `set_reduce_scatter_max_input_buffers(k)`: up to k, the
-        # oldest waited for (on accelerators, the compute stream waits for its event) only then.
+    def reduce(self, issue: Callable[[], list[ReduceScatterResult]]) -> None:
+        """Run ``issue`` (which issues reduce-scatters) once fewer than the limit are in flight, and
+        keep what it issued in flight. By default one at a time: the previous one is waited for
+        (on accelerators, the compute stream waits for its event) before the next one's input is
+        made, so one gradient buffer is in flight while the next module's backward computes.
+        `set_reduce_scatter_max_input_buffers(k)`: up to k."""
         pending, limit = self.pending_reduces, self.max_input_buffers()
-        for result in results:
-            while len(pending) >= limit:
+        while len(pending) >= limit:
+            pending.popleft().finish()
+        for result in issue():
+            while len(pending) >= limit:  # (a call that issued several)
                 pending.popleft().finish()
             pending.append(result)
 
@@ -217,7 +222,7 @@ class RootContext:
             for state in self.states:
                 state.finish_backward()
             for bucket in self.buckets:  # gradients of members whose bucket-mates did not run
-                self.start_reduce(bucket.flush(Reason.END_OF_BACKWARD))
+                self.reduce(functools.partial(bucket.flush, Reason.END_OF_BACKWARD))
             # Micro-batching: not the last backward, so leave the last reduce-scatter in flight.
             if self.root.settings.is_last_backward:
                 self.conclude_backward()
@@ -229,7 +234,7 @@ class RootContext:
             for state in reversed(self.states):  # backward's order: a bucket issues at its last member
                 state.reduce_by_hand()
             for bucket in self.buckets:
-                self.start_reduce(bucket.flush(Reason.REDUCE_GRADS))
+                self.reduce(functools.partial(bucket.flush, Reason.REDUCE_GRADS))
             self.unsynced_backwards = 0
             self.conclude_backward()
 
@@ -575,7 +580,7 @@ class FSDPState:
             and s.unshard_in_backward
             and s.forward_prefetch is None
             and s.backward_prefetch is None
-            and all(g.settings.communicates_plainly() for g in self.own)
+            and all(g.settings.communicates_plainly() and g.comm_buffers is None for g in self.own)
         )
 
     def resolve_reshard_after_forward(self) -> None:
@@ -856,29 +861,38 @@ class FSDPState:
         self._post_backward(Reason.BACKWARD)
 
     def _post_backward(self, reason: Reason) -> None:
-        s, results = self.settings, []
-        for g in self.own:
-            results += g.post_backward(
-                reason,
-                sync=s.requires_gradient_sync,
-                # create_graph=True (grad mode on in backward): a second backward through this graph
-                # (a gradient penalty) needs the unsharded parameters; it reshards them.
-                reshard=s.reshard_after_backward and not torch.is_grad_enabled(),
-                bucketed=self.default_schedule,
-            )
-        self.root_context().start_reduce(results)
+        s = self.settings
+
+        def issue() -> list[ReduceScatterResult]:
+            results = []
+            for g in self.own:
+                results += g.post_backward(
+                    reason,
+                    sync=s.requires_gradient_sync,
+                    # create_graph=True (grad mode on in backward): a second backward through this
+                    # graph (a gradient penalty) needs the unsharded parameters; it reshards them.
+                    reshard=s.reshard_after_backward and not torch.is_grad_enabled(),
+                    bucketed=self.default_schedule,
+                )
+            return results
+
+        self.root_context().reduce(issue)
 
     def reduce_accumulated(self) -> None:
         """`FSDPModule.reduce_grads`: reduce what accumulated without sync and reshard, whatever
         the sync and reshard settings say (they govern backward; this is the user's explicit call)."""
         self._signals_pending = 0
         self._members_done.clear()
-        results: list[ReduceScatterResult] = []
-        for g in self.own:
-            results += g.post_backward(
-                Reason.REDUCE_GRADS, sync=True, reshard=True, bucketed=self.default_schedule
-            )
-        self.root_context().start_reduce(results)
+
+        def issue() -> list[ReduceScatterResult]:
+            results = []
+            for g in self.own:
+                results += g.post_backward(
+                    Reason.REDUCE_GRADS, sync=True, reshard=True, bucketed=self.default_schedule
+                )
+            return results
+
+        self.root_context().reduce(issue)
 
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""

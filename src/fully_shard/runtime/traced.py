@@ -515,7 +515,7 @@ def _composable_checkpointed(state: Any) -> Optional[str]:
     return None
 
 
-def explain_saved_state_failure(e: AssertionError) -> None:
+def explain_saved_state_failure(e: AssertionError, model: str) -> None:
     """torch 2.13's AOTAutograd, where activation checkpointing recomputes a random op
     (``scaled_dot_product_attention``, dropout) in a graph with DTensor inputs, saves the RNG state
     after the DeviceMesh it keeps for backward, and its runtime then finds the mesh among the
@@ -524,10 +524,11 @@ def explain_saved_state_failure(e: AssertionError) -> None:
     if not (message.startswith("expected all tensors_saved") and "DeviceMesh" in message):
         return
     raise RuntimeError(
-        f"fully_shard: torch {torch.__version__}'s AOTAutograd could not save this model's activations for "
-        "backward: activation checkpointing recomputes a random op (scaled_dot_product_attention, "
-        "dropout) in a model compiled whole, and torch 2.13 then saves that op's RNG state out of "
-        "place beside the DTensor parameters' DeviceMesh (a torch problem; torch 2.11 compiles it). "
+        f"fully_shard: torch {torch.__version__}'s AOTAutograd could not save the activations of {model} "
+        "(compiled whole with model.compile()) for backward: its activation checkpointing recomputes a "
+        "random op (scaled_dot_product_attention, dropout), and torch 2.13 then saves that op's RNG "
+        "state out of place beside the DTensor parameters' DeviceMesh (a torch problem; torch 2.11 "
+        "compiles it). "
         "The forward raised: nothing was trained by this call. Fix: keep those ops' outputs with a "
         "selective checkpoint policy (checkpoint_wrapper(block, context_fn=partial("
         "create_selective_checkpoint_contexts, policy)) where policy returns MUST_SAVE for "
