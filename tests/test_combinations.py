@@ -3,7 +3,10 @@
 ``fully_shard`` with the same calls, losses and parameters equal to the bit (the same ops in the
 same order on both sides of each pair).
 
-A configuration draws: 1-3 blocks with widths that divide unevenly; float64, bf16 parameters with
+A configuration draws (and, from a second stream of draws, offload, explicit prefetch lists,
+``checkpoint_wrapper`` around each block keeping attention's output, a separate reduce-scatter
+group, 2 reduce-scatters in flight, collectives in flight on CPU, and ``set_reshard_after_forward``
+mid-run): 1-3 blocks with widths that divide unevenly; float64, bf16 parameters with
 fp32 or bf16 reduction, or fp32 parameters with bf16 reduction; ``reshard_after_forward`` per
 block and for the root; frozen weights; some weights sharded on dim 1; the blocks as one list-form
 group; a tied or untied output; ``model.compile()``, ``torch.compile(model)`` or a compiled
@@ -27,7 +30,8 @@ the param dtype (PyTorch sums them in the reduce dtype), a list-form group gathe
 member in the traced path, and the recursion of ``set_gradient_divide_factor``; at world 4: that
 the used-counts of the default reduce-scatter layout change gloo's summation order (a last-bit
 difference from PyTorch's and from the compiled step, so world 4 uses PyTorch's layout:
-docs/training_loop.md).
+docs/training_loop.md); with checkpointing: that torch 2.13 cannot compile whole a model whose
+checkpointed blocks recompute attention (docs/compile.md; the draw keeps attention's output).
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ def make_config(seed: int, world_size: int = 2) -> dict:
     c["separate_rs"] = e.random() < 0.2  # PyTorch 2.13's set_separate_reduce_scatter_group
     c["rs_buffers"] = e.choice([1, 1, 1, 2])  # set_reduce_scatter_max_input_buffers
     c["flip_reshard"] = e.random() < 0.15  # set_reshard_after_forward on block 0 after step 1
+    c["in_flight"] = e.choice([0, 0, 2, 4])  # ours' set_collectives_in_flight (CPU overlap)
     return c
 
 
@@ -184,6 +189,8 @@ def _shard(m: Llama, c: dict, impl: str) -> Llama:
         m.set_separate_reduce_scatter_group()
     if c.get("rs_buffers", 1) > 1:
         m.set_reduce_scatter_max_input_buffers(c["rs_buffers"])
+    if c.get("in_flight") and impl == "ours":  # (no effect on values: when collectives complete)
+        m.set_collectives_in_flight(c["in_flight"])
     for module in m.modules() if c["div_factor"] else ():  # (PyTorch's sets the module's own group only)
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(3.0)

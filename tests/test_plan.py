@@ -461,11 +461,18 @@ def _measured_picture(path: str) -> dict:
     # AdamW: two states of this rank's rows, and a 4-byte step count per parameter (on the CPU).
     n = len(shapes)
     checks["optimizer state"] = [s.by_category["optimizer_state"] for s in snapshots] == [2 * own + 4 * n] * len(snapshots)
-    # The second micro-batch holds, at every point, exactly the first's reduced gradients more
-    # (each views its reduce-scatter output: the padded rows and a 4-byte used-count per parameter).
+    # The second micro-batch holds, at every point, the first's reduced gradients (each views its
+    # reduce-scatter output: the padded rows and a 4-byte used-count per parameter) and, up to the
+    # first reduce-scatter, what the first held there (unreduced gradients); after it, nothing of
+    # its own: each reduction of the second is added into them and freed before the next
+    # reduce-scatter is issued (until 2026-11-29 the bucket's reduced output was still alive at
+    # the root's reduce-scatter).
     first = [s.by_category["gradients"] for s, r in zip(snapshots, t.records) if r.step == 0]
     second = [s.by_category["gradients"] for s, r in zip(snapshots, t.records) if r.step == 1]
-    checks["gradients"] = len(first) == len(second) and [b - a for a, b in zip(first, second)] == [shards + 4 * n] * len(first)
+    ops = [r.op for r in t.records if r.step == 0]
+    rs = ops.index("reduce_scatter")
+    expected = [shards + 4 * n + (a if i <= rs else 0) for i, a in enumerate(first)]
+    checks["gradients"] = len(first) == len(second) and second == expected
     if world()[0] == 0:
         draw(plan, path)
         draw(t, path + ".trace.png")

@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..runtime.collectives import all_gather_flat
+# torch 2.13 renamed the flat-tensor all-gather; 2.11 only has the old name (as runtime/collectives.py)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def _align_group_counts(info: MeshInfo) -> None:
         return
     mine = torch.tensor([len(names)], dtype=torch.int64, device=info.device)
     counts = mine.repeat(info.world_size)
-    all_gather_flat(counts, mine, group=info.group)
+    _all_gather_flat(counts, mine, group=info.group)
     for _ in range(int(counts.max().item()) - len(names)):
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
