@@ -13,6 +13,8 @@ Nothing here sets a tolerance from what one machine printed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -257,3 +259,23 @@ def sp_batch(mesh, index: int, whole: bool = False) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * index + mesh.get_local_rank(0))
     x = torch.randn(2, 8, 16, generator=g)
     return x if whole else x.chunk(mesh.size(1), dim=1)[mesh.get_local_rank(1)]
+
+
+@contextlib.contextmanager
+def reductions_in_flight():
+    """The most gradient reductions in flight at once (`RootContext.pending_reduces`) while the
+    body runs, as ``depth["max"]``."""
+    from fully_shard.runtime.state import RootContext
+
+    depth, original = {"max": 0}, RootContext.reduce
+
+    def reduce(self, issue):
+        original(self, issue)
+        depth["max"] = max(depth["max"], len(self.pending_reduces))
+
+    RootContext.reduce = reduce
+    try:
+        yield depth
+    finally:
+        RootContext.reduce = original
+

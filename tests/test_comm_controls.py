@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _parity import _mlp_loss, _train_pair, check, make_mlp, max_abs_diff, mlp_batch, shard_mlp
+from _parity import (
+    _mlp_loss, _train_pair, check, make_mlp, max_abs_diff, mlp_batch, reductions_in_flight, shard_mlp,
+)
 from rank_utils import cpu_mesh, world
 
 
@@ -286,20 +288,8 @@ def _setup_method(case: str) -> dict:
     if case == "buffers":  # on CPU, reductions stay in flight past a module's backward only so
         ours.set_collectives_in_flight(4)
     twin = copy.deepcopy(ours)  # a deep copy keeps the settings and shares the process groups
-    from fully_shard.runtime.state import RootContext
-
-    depth, original = {"max": 0}, RootContext.reduce
-
-    def reduce(self, issue):
-        original(self, issue)
-        depth["max"] = max(depth["max"], len(self.pending_reduces))
-
-    RootContext.reduce = reduce
-    try:
-        with debug.trace() as t:
-            out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
-    finally:
-        RootContext.reduce = original
+    with reductions_in_flight() as depth, debug.trace() as t:
+        out = _train_pair(ours, ref, mlp_batch, _mlp_loss, 3)
     _train(twin, weight_decay=0.1)
     if compared:
         _train(theirs, weight_decay=0.1)  # as _train_pair trains ours

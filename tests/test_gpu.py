@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import torch
 
-from _parity import TOL64, llama64
+from _parity import TOL64, llama64, reductions_in_flight
 from llama_model import LlamaConfig, loss_fn, synthetic_batch
 
 pytestmark = [
@@ -368,19 +368,8 @@ def test_cuda_communication_setup_keeps_parity(nccl_world, setup):
         assert all((b.reduce_scatter is not None) == (setup == "symm_mem_sum") for b in buffers)
     elif setup == "process_group_alloc":
         assert {b.kind for b in buffers} == {"process_group"}
-    from fully_shard.runtime.state import RootContext
-
-    depth, original = {"max": 0}, RootContext.reduce
-
-    def reduce(self, issue):
-        original(self, issue)
-        depth["max"] = max(depth["max"], len(self.pending_reduces))
-
-    RootContext.reduce = reduce
-    try:
+    with reductions_in_flight() as depth:
         _train_checking_pending(model, ref)
-    finally:
-        RootContext.reduce = original
     # 4 groups reduce per backward (no buckets): 3 in flight at once with the setting, else 1
     assert depth["max"] == (3 if setup == "rs_buffers" else 1)
 

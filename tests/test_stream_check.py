@@ -5,13 +5,12 @@ loops, must find each bug injected on purpose, and must not change what trains."
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
-from _parity import TOL64, _mlp_loss, make_mlp, mlp_batch
+from _parity import TOL64, _mlp_loss, make_mlp, mlp_batch, reductions_in_flight
 from rank_utils import cpu_mesh, max_param_diff, world
 
 
@@ -19,7 +18,6 @@ def _train(case: str, steps: int = 2) -> dict:
     """Train the parity MLP (each block and the root sharded) under the checker; compare with the
     float64 reference."""
     from fully_shard import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from fully_shard.runtime.state import RootContext
     from fully_shard.tools import stream_check
 
     rank, w = world()
@@ -47,17 +45,10 @@ def _train(case: str, steps: int = 2) -> dict:
         model.set_reduce_scatter_max_input_buffers(3)
     if case == "separate_rs":  # the reduce-scatters on a process group of their own
         model.set_separate_reduce_scatter_group()
-    depth = {"max": 0}
-    original_reduce = RootContext.reduce
-
-    def reduce(self, issue):
-        original_reduce(self, issue)
-        depth["max"] = max(depth["max"], len(self.pending_reduces))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     micro = 2 if case == "accumulation" else 1
-    RootContext.reduce = reduce
-    with stream_check.checked(raise_on_exit=False) as checker, _restoring(RootContext, original_reduce):
+    with stream_check.checked(raise_on_exit=False) as checker, reductions_in_flight() as depth:
         for step in range(steps):
             for i in range(micro):
                 x, y = mlp_batch(10 * step + i)
@@ -82,13 +73,6 @@ def _train(case: str, steps: int = 2) -> dict:
         "pending_after": len(ctx.pending_reduces),
     }
 
-
-@contextlib.contextmanager
-def _restoring(cls, reduce):
-    try:
-        yield
-    finally:
-        cls.reduce = reduce
 
 
 CASES = [
