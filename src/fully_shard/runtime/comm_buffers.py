@@ -20,16 +20,13 @@ from . import collectives
 
 
 class _Comm:
-    """A collective over ``group`` whose buffers come from ``allocate``."""
+    """A collective over ``group`` whose buffers come from ``allocate`` (`_BackendAlloc`, `_Symmetric`)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "_Comm":
         return self  # holds a process group: a deep-copied module shares it
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def register(self, group: dist.ProcessGroup, *tensors: torch.Tensor) -> None:
         """Before a collective over ``group``: what its buffers need (symmetric memory's rendezvous)."""

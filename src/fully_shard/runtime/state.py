@@ -70,6 +70,8 @@ class RootContext:
         self.eager_around = False
         # reductions in flight, oldest first: at most the largest `reduce_scatter_max_input_buffers`
         self.pending_reduces: deque[ReduceScatterResult] = deque()
+        self.reductions_limit = 1  # how many may be in flight: `note_reductions_limit`
+        self.note_reductions_limit()
         self.buckets: list[Bucket] = []
         self.gradient_check: Optional[GradientCheck] = None  # set by the check itself (finite.py)
         self.unsynced_backwards = 0  # backwards run without gradient sync since the last synchronised one
@@ -186,7 +188,7 @@ class RootContext:
         (on accelerators, the compute stream waits for its event) before the next one's input is
         made, so one gradient buffer is in flight while the next module's backward computes.
         `set_reduce_scatter_max_input_buffers(k)`: up to k."""
-        pending, limit = self.pending_reduces, self.max_input_buffers()
+        pending, limit = self.pending_reduces, self.reductions_limit
         while len(pending) >= limit:
             pending.popleft().finish()
         for result in issue():
@@ -194,8 +196,10 @@ class RootContext:
                 pending.popleft().finish()
             pending.append(result)
 
-    def max_input_buffers(self) -> int:
-        return max(s.settings.reduce_scatter_max_input_buffers for s in self.states)
+    def note_reductions_limit(self) -> None:
+        """The largest `reduce_scatter_max_input_buffers` of the root's modules (read once per
+        change, not per reduction)."""
+        self.reductions_limit = max(s.settings.reduce_scatter_max_input_buffers for s in self.states)
 
     def finish_pending_reduce(self) -> None:
         """Wait for every reduction in flight, oldest first."""
@@ -547,6 +551,10 @@ class FSDPState:
         """``FSDPModule.set_*``: one new frozen `Settings`, shared with this call's groups."""
         before = self.settings
         self.settings = dataclasses.replace(before, **changes)
+        if self.ctx is not None and (
+            self.settings.reduce_scatter_max_input_buffers != before.reduce_scatter_max_input_buffers
+        ):
+            self.ctx.note_reductions_limit()
         for g in self.own:
             g.settings = self.settings
             if self.settings.reduce_dtype != before.reduce_dtype:
@@ -862,18 +870,19 @@ class FSDPState:
 
     def _post_backward(self, reason: Reason) -> None:
         s = self.settings
+        # create_graph=True (grad mode on in backward): a second backward through this graph (a
+        # gradient penalty) needs the unsharded parameters; it reshards them.
+        self._reduce_own(
+            reason, s.requires_gradient_sync, s.reshard_after_backward and not torch.is_grad_enabled()
+        )
+
+    def _reduce_own(self, reason: Reason, sync: bool, reshard: bool) -> None:
+        """Each own group's post-backward, issued once the root has room for its reductions."""
 
         def issue() -> list[ReduceScatterResult]:
             results = []
             for g in self.own:
-                results += g.post_backward(
-                    reason,
-                    sync=s.requires_gradient_sync,
-                    # create_graph=True (grad mode on in backward): a second backward through this
-                    # graph (a gradient penalty) needs the unsharded parameters; it reshards them.
-                    reshard=s.reshard_after_backward and not torch.is_grad_enabled(),
-                    bucketed=self.default_schedule,
-                )
+                results += g.post_backward(reason, sync=sync, reshard=reshard, bucketed=self.default_schedule)
             return results
 
         self.root_context().reduce(issue)
@@ -883,16 +892,7 @@ class FSDPState:
         the sync and reshard settings say (they govern backward; this is the user's explicit call)."""
         self._signals_pending = 0
         self._members_done.clear()
-
-        def issue() -> list[ReduceScatterResult]:
-            results = []
-            for g in self.own:
-                results += g.post_backward(
-                    Reason.REDUCE_GRADS, sync=True, reshard=True, bucketed=self.default_schedule
-                )
-            return results
-
-        self.root_context().reduce(issue)
+        self._reduce_own(Reason.REDUCE_GRADS, sync=True, reshard=True)
 
     def reduce_leftovers(self) -> None:
         """Reduce whatever gradients the post-backward signals missed."""
