@@ -29,8 +29,8 @@ HSDP (2, 2) mesh, a (dp 2, tp 2) mesh with each block's feed-forward tensor para
 the param dtype (PyTorch sums them in the reduce dtype), a list-form group gathered once per
 member in the traced path, and the recursion of ``set_gradient_divide_factor``; at world 4: that
 the used-counts of the default reduce-scatter layout change gloo's summation order (a last-bit
-difference from PyTorch's and from the compiled step, so world 4 uses PyTorch's layout:
-docs/training_loop.md); with checkpointing: that torch 2.13 cannot compile whole a model whose
+difference from PyTorch's, so world 4 uses PyTorch's layout: docs/training_loop.md; the compiled
+step lays its buffer out as eager's since 2026-11-29); with checkpointing: that torch 2.13 cannot compile whole a model whose
 checkpointed blocks recompute attention (docs/compile.md; the draw keeps attention's output).
 """
 

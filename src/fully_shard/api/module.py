@@ -369,7 +369,7 @@ class FSDPModule:
         for g in groups:
             rs_group = g.reduce_scatter_group
             g.comm_buffers = comm_buffers.from_process_group(g.info.group, rs_group) if value else None
-        state.update_settings()  # (a module with a buffer source communicates alone: no bucket)
+        state.resolve_schedule()  # a module with a buffer source communicates alone: no bucket
         lacking = sorted({str(g.info.device.type) for g in groups if value and not _has_allocator(g)})
         if lacking:
             backend = dist.get_backend(groups[0].info.group)
@@ -410,7 +410,7 @@ class FSDPModule:
         for g in groups:
             sum_only = g.settings.force_sum_reduction
             g.comm_buffers = comm_buffers.symmetric(g.info.group, g.reduce_scatter_group, sum_only)
-        state.update_settings()  # (a module with a buffer source communicates alone: no bucket)
+        state.resolve_schedule()  # a module with a buffer source communicates alone: no bucket
 
     def set_all_gather_codec(
         self,
@@ -568,9 +568,13 @@ _SYMMETRIC_BUFFERS = (
 
 
 def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}.")
-    return value
+    """A flag: True / False, or 0 / 1 and numpy's bools, which PyTorch's setters take too. A string
+    or any other number is refused: ``"no"`` would read as true."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False (or 0 / 1), got {value!r}.")
 
 
 def _prefetch_states(method: str, modules: list[Any]) -> list[FSDPState]:

@@ -428,7 +428,7 @@ class FSDPState:
         # chosen, reads for the default reshard_after_forward (`resolved_reshard`).
         self.nested = False
         self.fqn = ""
-        self.resolve_reshard_after_forward()
+        self.resolve_schedule()
         self.phase = TrainingPhase.IDLE
         self._signals_pending = 0  # post-backward signals attached in forward, not fired yet
         self._members_done: set[int] = set()  # list form: members done since the last unshard
@@ -520,7 +520,7 @@ class FSDPState:
         self.ctx = ctx
         self.is_root = is_root
         self.take_path(fqn)
-        self.resolve_reshard_after_forward()
+        self.resolve_schedule()
         for g in self.own:
             g.comm = ctx.comm
             if type(self.reshard_after_forward) is int:  # not a bool
@@ -564,7 +564,7 @@ class FSDPState:
             if self.settings.keep_low_precision_grads != before.keep_low_precision_grads:
                 for fp in g.params:  # (what a compiled backward needs; eager lowers at its end)
                     fp.lower_grads_once_accumulated(self.settings.keep_low_precision_grads)
-        self.resolve_reshard_after_forward()
+        self.resolve_schedule()
 
     def may_share_collectives(self) -> bool:
         """Whether this module's group may join a bucket: not the root's (gathered first, kept
@@ -591,7 +591,9 @@ class FSDPState:
             and all(g.settings.communicates_plainly() and g.comm_buffers is None for g in self.own)
         )
 
-    def resolve_reshard_after_forward(self) -> None:
+    def resolve_schedule(self) -> None:
+        """The reshard_after_forward setting as it applies, and whether the default schedule (which a
+        bucket assumes) holds: again after any change of settings or of a group's buffer source."""
         self.reshard_after_forward: Union[bool, int] = self.resolved_reshard(root=self.is_root)
         self.default_schedule = self.follows_default_schedule()
 

@@ -789,7 +789,9 @@ class _Plan:
 
         self.before, self.after = split_divide_factor(factor, self.reduce_dtype)
         self.requires_grad = [fp.requires_grad for fp in params]
+        self.frozen = [i for i, fp in enumerate(params) if not fp.requires_grad]
         self.sync = s.requires_gradient_sync
+        self.reduce_unused = s.reduce_unused  # the eager layout: every trainable one, used-counts
         # per parameter, its all-gather extension's hooks (a tensor subclass's, or a codec's)
         self.extensions = [_extension_calls(fp, s) for fp in params]
         self.extended = any(e is not None for e in self.extensions)
@@ -952,6 +954,35 @@ def _keep_for_backward(ctx: Any, plan: "_Plan", inputs: tuple, reduce_only: bool
     ctx.set_materialize_grads(False)
 
 
+def _gather_plain(plan: "_Plan", shards: tuple) -> tuple[torch.Tensor, ...]:
+    """The eager all-gather's layout (each rank's padded shards, cast, end to end), one functional
+    all-gather, each parameter cut out."""
+    shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
+    if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
+        return tuple(  # (torch 2.11 refuses those)
+            local if view is None else local.reshape(view).clone() for local, view in zip(shards, plan.views)
+        )
+    flat = []
+    for local, layout in zip(shards, plan.layouts):  # the sharded dim in front (`moved_shape`)
+        local = local.movedim(layout.dim, 0)
+        missing = layout.rows - layout.local_rows
+        if missing:
+            local = torch.cat([local, local.new_zeros((missing, *layout.moved_shape[1:]))])
+        flat.append(local.reshape(-1))
+    flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
+    per_rank = _all_gather(plan, flat_in)
+    fulls, offset = [], 0
+    for layout, view in zip(plan.layouts, plan.views):
+        numel = layout.shard_numel
+        rows = per_rank[:, offset : offset + numel].reshape(plan.world * layout.rows, *layout.moved_shape[1:])
+        full = rows[: layout.moved_shape[0]]
+        if view is not None:
+            full = full.view(view)
+        fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
+        offset += numel
+    return tuple(fulls)
+
+
 class _GatherGroup(torch.autograd.Function):
     """Forward: the eager all-gather's layout (each rank's padded shards, cast, end to end), one
     functional all-gather, each parameter cut out. Backward: the eager reduction.
@@ -974,35 +1005,12 @@ class _GatherGroup(torch.autograd.Function):
         if plan.extended:
             local = [t.to(plan.device, non_blocking=True) for t in shards]
             outputs = _gather_encoded(plan, local, counts, inputs[n + len(plan.slots) :])
-            ctx.mark_non_differentiable(*outputs[n:])
+            ctx.mark_non_differentiable(*outputs[n:], *(outputs[i] for i in plan.frozen))
             return outputs
-        shards = [local.to(plan.device, plan.param_dtype, non_blocking=True) for local in shards]
-        if plan.world == 1:  # each shard is its whole parameter: no buffer whose views would alias
-            return tuple(  # (torch 2.11 refuses those)
-                local if view is None else local.reshape(view).clone()
-                for local, view in zip(shards, plan.views)
-            )
-        flat = []
-        for local, layout in zip(shards, plan.layouts):  # the sharded dim in front (`moved_shape`)
-            local = local.movedim(layout.dim, 0)
-            missing = layout.rows - layout.local_rows
-            if missing:
-                local = torch.cat([local, local.new_zeros((missing, *layout.moved_shape[1:]))])
-            flat.append(local.reshape(-1))
-        flat_in = torch.cat(flat) if len(flat) > 1 else flat[0]
-        per_rank = _all_gather(plan, flat_in)
-        fulls, offset = [], 0
-        for layout, view in zip(plan.layouts, plan.views):
-            numel = layout.shard_numel
-            rows = per_rank[:, offset : offset + numel].reshape(
-                plan.world * layout.rows, *layout.moved_shape[1:]
-            )
-            full = rows[: layout.moved_shape[0]]
-            if view is not None:
-                full = full.view(view)
-            fulls.append(full.movedim(0, layout.dim).contiguous() if layout.dim else full.clone())
-            offset += numel
-        return tuple(fulls)
+        outputs = _gather_plain(plan, inputs[:n])
+        if plan.frozen:  # no gradient computed for a frozen parameter, none reduced: as eager
+            ctx.mark_non_differentiable(*(outputs[i] for i in plan.frozen))
+        return outputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -1037,19 +1045,39 @@ class _GatherGroup(torch.autograd.Function):
             return (None,) * (2 + n + len(slots) + ctx.sent)
         dtype = plan.reduce_dtype
         device = next(t.device for t in (*grads, *partials) if t is not None)
+        # The eager reduce-scatter's layout (`FSDPParamGroup.post_backward`): every trainable
+        # parameter with a shard (or, without reduce_unused, only those with a gradient here), zeros
+        # for a missing gradient, then one used-count each; at 3+ ranks the summation order of an
+        # element depends on where it lies, so the same layout gives eager's bits.
+        had = [grads[i] is not None or partials[i] is not None for i in range(n)]
+        members = [
+            i
+            for i in range(n)
+            if plan.requires_grad[i] and plan.layouts[i].shard_numel and (plan.reduce_unused or had[i])
+        ]
+        if not members:  # size-0 parameters only: an empty gradient each, as eager's
+            return (*head, *_empty_grads(plan, had, dtype, device), *[None] * len(slots), *sent)
         inputs = [
-            torch.zeros(layout.moved_shape, dtype=dtype, device=device)
-            if g is None
-            else g.reshape(-1)
-            if view is not None
-            else g.movedim(layout.dim, 0)
-            for g, layout, view in zip(grads, plan.layouts, plan.views)
+            torch.zeros(plan.layouts[i].moved_shape, dtype=dtype, device=device)
+            if grads[i] is None
+            else grads[i].reshape(-1)
+            if plan.views[i] is not None
+            else grads[i].movedim(plan.layouts[i].dim, 0)
+            for i in members
         ]
         if len({t.dtype for t in inputs}) > 1:  # (_chunk_cat takes one dtype: a sum held apart, a zero)
             inputs = [t.to(dtype) for t in inputs]
+        sizes = [plan.layouts[i].shard_numel for i in members]
+        slot = sum(sizes)
+        if plan.reduce_unused:  # each rank's 0/1 per parameter, as eager's (every rank: the same)
+            used = torch.ones(len(members), dtype=inputs[0].dtype, device=device)
+            for j, i in enumerate(members):
+                if not had[i]:
+                    used[j] = 0
+            inputs.append(used.expand(plan.world, len(members)))
+            slot += len(members)
         # _chunk_cat pads each to world x rows rows, as the eager reduce-scatter's copy-in
         if plan.extended:  # an extension's gradient may be a subclass: into a plain tensor, as eager
-            slot = sum(layout.shard_numel for layout in plan.layouts)
             rs_input = torch.empty((plan.world, slot), dtype=dtype, device=device)
             torch._chunk_cat(inputs, dim=0, num_chunks=plan.world, out=rs_input)  # (returns the subclass)
             rs_input = rs_input.view(-1)
@@ -1063,34 +1091,58 @@ class _GatherGroup(torch.autograd.Function):
             out = _landed(funcol.reduce_scatter_tensor(rs_input, "sum", 0, plan.rs_group))
         else:
             out = rs_input
-        sizes = [layout.shard_numel for layout in plan.layouts]
+        place = {i: j for j, i in enumerate(members)}  # a parameter's piece among the members'
         if plan.defer:  # each slot, as it is, added to the parameter's partial leaf (its slot's)
-            pieces = out.split(sizes)
-            kept = [pieces[i] if kind == _LEAF and grads[i] is not None else None for kind, i in slots]
+            pieces = out[: sum(sizes)].split(sizes)
+            kept = [
+                pieces[place[i]] if kind == _LEAF and grads[i] is not None and i in place else None
+                for kind, i in slots
+            ]
             return (*head, *none, *kept, *sent)
         if any(p is not None for p in partials):  # the sums deferred by earlier backwards, slot by slot
-            out = out + torch.cat([p if p is not None else out.new_zeros(k) for p, k in zip(partials, sizes)])
+            held = [
+                partials[i] if partials[i] is not None else out.new_zeros(k) for i, k in zip(members, sizes)
+            ]
+            out = out + torch.cat([*held, out.new_zeros(slot - sum(sizes))])
         if plan.replicate_group is not None:
             out = _landed(funcol.all_reduce(out, "sum", plan.replicate_group))
         if plan.hook is not None:  # as eager's: after the all-reduce, before the division
             opaque.all_reduce_hook(out, plan.hook)
         if plan.after != 1:
             out = out / plan.after
-        result: list[Optional[torch.Tensor]] = []
+        result: list[Optional[torch.Tensor]] = [None] * n
         offset = 0
-        for i, grad, partial, layout in zip(range(n), grads, partials, plan.layouts):
-            piece = out[offset : offset + layout.shard_numel].view(layout.rows, *layout.moved_shape[1:])
+        for i, size in zip(members, sizes):
+            layout = plan.layouts[i]
+            piece = out[offset : offset + size].view(layout.rows, *layout.moved_shape[1:])
             piece = piece[: layout.local_rows]
-            offset += layout.shard_numel
+            offset += size
             if layout.dim:
                 piece = piece.movedim(0, layout.dim).contiguous()
             if plan.hosts[i] is not None:  # offloaded: the gradient goes to the host, as eager's
                 piece = piece.to(plan.hosts[i])
-            trainable = plan.requires_grad[i]
             # Every rank runs the same graph: no gradient here is no gradient anywhere (eager's
             # used-counts keep such a .grad as it was; so does None).
-            result.append(piece if trainable and (grad is not None or partial is not None) else None)
+            result[i] = piece if had[i] else None
+        result = [
+            r if i in place else e
+            for i, (r, e) in enumerate(zip(result, _empty_grads(plan, had, dtype, device)))
+        ]
         return (*head, *result, *[None] * len(slots), *sent)
+
+
+def _empty_grads(
+    plan: _Plan, had: list[bool], dtype: torch.dtype, device: torch.device
+) -> list[Optional[torch.Tensor]]:
+    """A size-0 parameter's gradient (it joins no reduce-scatter): empty, as eager's; None for the rest."""
+    out: list[Optional[torch.Tensor]] = []
+    for i, layout in enumerate(plan.layouts):
+        if plan.requires_grad[i] and had[i] and not layout.shard_numel:
+            empty = torch.zeros(layout.local_shape, dtype=dtype, device=device)
+            out.append(empty.to(plan.hosts[i]) if plan.hosts[i] is not None else empty)
+        else:
+            out.append(None)
+    return out
 
 
 def _first_backward(once: Optional[torch.Tensor], grads: tuple) -> Optional[torch.Tensor]:
