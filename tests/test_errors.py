@@ -110,13 +110,8 @@ def test_control_surface_bad_input():
             with pytest.raises(ValueError, match="finite number > 0 .* got"):
                 model.set_gradient_divide_factor(bad)
         assert all(s.group is None or s.group.settings.gradient_divide_factor is None for s in model._fsdp_states(True))
-        for bad in ("no", 2, 1.0, None):
-            with pytest.raises(ValueError, match="requires_gradient_sync must be True or False"):
-                model.set_requires_gradient_sync(bad)  # type: ignore[arg-type]
-        model.set_requires_gradient_sync(0)  # 0 / 1 as PyTorch's setter takes them
-        assert all(s.group is None or not s.group.settings.requires_gradient_sync for s in model._fsdp_states(True))
-        model.set_requires_gradient_sync(1)
-        assert all(s.group is None or s.group.settings.requires_gradient_sync for s in model._fsdp_states(True))
+        with pytest.raises(ValueError, match="requires_gradient_sync must be True or False"):
+            model.set_requires_gradient_sync("no")  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="torch.Event"):
             model.set_post_optim_event(object())  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="has no method 'generate'"):

@@ -568,13 +568,9 @@ _SYMMETRIC_BUFFERS = (
 
 
 def _check_bool(name: str, value: Any) -> bool:
-    """A flag: True / False, or 0 / 1 and numpy's bools, which PyTorch's setters take too. A string
-    or any other number is refused: ``"no"`` would read as true."""
-    if isinstance(value, bool):
-        return value
-    if type(value).__name__ == "bool_" or (type(value) is int and value in (0, 1)):
-        return bool(value)
-    raise ValueError(f"{name} must be True or False (or 0 / 1), got {value!r}.")
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+    return value
 
 
 def _prefetch_states(method: str, modules: list[Any]) -> list[FSDPState]:
