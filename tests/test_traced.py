@@ -416,6 +416,60 @@ def test_a_frozen_base_is_neither_differentiated_nor_reduced_compiled(ranks, wor
             assert r["compiled_rs"] == r["eager_rs"] == expected, r
 
 
+def _frozen_and_thawed() -> dict:
+    """Compiled steps only: before step 2 block 0's first Linear is frozen; then it is thawed and
+    block 2's last Linear frozen (``requires_grad_`` on the sharded parameters, as users do between
+    fine-tuning stages), against eager doing the same."""
+    from fully_shard import fully_shard
+
+    _fresh_compiler()
+    rank, w = world()
+    models = []
+    for _ in range(2):
+        m = make_mlp()
+        m[0][0].requires_grad_(False)
+        for block in m[:3]:
+            fully_shard(block, mesh=cpu_mesh())
+        fully_shard(m, mesh=cpu_mesh())
+        m.set_bucket_bytes(0)  # (_NO_BUCKETS)
+        models.append(m)
+    eager, compiled = models
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    frozen_at_2 = {}
+    for step in range(4):
+        if step == 2:
+            for m in models:
+                m[0][0].requires_grad_(True)
+                m[2][2].requires_grad_(False)
+            frozen_at_2 = _full(compiled)
+        torch.manual_seed(step)
+        x = torch.randn(4 * w, 7, dtype=torch.float64).chunk(w)[rank]
+        for m, opt in zip(models, opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    ea, ec, start = _full(eager), _full(compiled), make_mlp().state_dict()
+    return {
+        "params_equal": all(torch.equal(ea[k], ec[k]) for k in ea),
+        "thawed_trained": not torch.equal(ec["0.0.weight"], start["0.0.weight"]),
+        "frozen_kept": torch.equal(ec["2.2.weight"], frozen_at_2["2.2.weight"]),
+        "graphs": counters_graphs(),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_parameter_frozen_or_thawed_between_compiled_steps_follows(ranks, world_size):
+    """``requires_grad_`` flipped between compiled steps: the graph is traced again (dynamo guards
+    on the flag) and the new one differentiates and reduces the thawed weight, not the frozen one.
+    Until 2026-11-29 the trace read the flag fully_shard had cached, which only an eager step
+    refreshed: the thawed weight never trained and nothing said so."""
+    for r in ranks(world_size).run(_frozen_and_thawed):
+        print(f"world {world_size}: {r}")
+        assert r["thawed_trained"] and r["frozen_kept"] and r["params_equal"], r
+        assert r["graphs"] == 2, r  # before the flip and after
+
+
 def _accumulation(mode: str, bf16: bool = False, hsdp: bool = False, list_form: bool = False) -> dict:
     """Micro-batches with and without gradient sync (``hsdp``: on a (2, w/2) mesh, with the
     all-reduce deferred instead): eager, against ``mode`` ("compiled": 2 steps of 3 micro-batches,

@@ -621,7 +621,7 @@ def _take_over_assigned(key: int) -> bool:
     """At trace time (a plain call when run eagerly): what was written into a place of the group's
     parameters without ``module.<name> = ...`` (``module._parameters[name] = p``, as accelerate's
     ``set_module_tensor_to_device`` does) is taken over (or refused) now, as eager's next
-    all-gather would, so that the graph reads it. A write after a graph was made fails that graph's
+    all-gather would, so that the graph reads it; a parameter frozen or thawed since is noticed. A write after a graph was made fails that graph's
     place guard (`_guard_places`) and brings the trace back here (docs/compile.md)."""
     fp: Any = managed_by_id(key)
     if fp is None or fp.group is None or fp.is_unsharded:  # (the places hold the engine's own
@@ -629,6 +629,11 @@ def _take_over_assigned(key: int) -> bool:
     for p in fp.group.params:
         if p._adopt_assigned():
             fp.group.needs_sync = True  # eager's next all-gather moves its local tensor in
+    # Frozen or thawed since (``requires_grad_`` on the sharded parameter; dynamo guards on it, so
+    # the flip brings the trace back here): what the graph differentiates and reduces follows it, as
+    # eager's next iteration does (`FSDPParamGroup.notice_changes`).
+    if any(p.sharded_param.requires_grad != p.requires_grad for p in fp.group.params):
+        fp.group.sync_params()
     return True
 
 
