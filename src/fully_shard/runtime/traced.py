@@ -621,8 +621,9 @@ def _take_over_assigned(key: int) -> bool:
     """At trace time (a plain call when run eagerly): what was written into a place of the group's
     parameters without ``module.<name> = ...`` (``module._parameters[name] = p``, as accelerate's
     ``set_module_tensor_to_device`` does) is taken over (or refused) now, as eager's next
-    all-gather would, so that the graph reads it; a parameter frozen or thawed since is noticed. A write after a graph was made fails that graph's
-    place guard (`_guard_places`) and brings the trace back here (docs/compile.md)."""
+    all-gather would, so that the graph reads it; a parameter frozen or thawed since is noticed. A
+    write after a graph was made fails that graph's place guard (`_guard_places`) and brings the
+    trace back here (docs/compile.md)."""
     fp: Any = managed_by_id(key)
     if fp is None or fp.group is None or fp.is_unsharded:  # (the places hold the engine's own
         return True  # unsharded parameters: one written meanwhile is taken over at the reshard)
